@@ -1,0 +1,129 @@
+"""fsspec plumbing shared by the store and the CLI: URL resolution with clear backend errors, atomic writes.
+
+Paths are ``str`` URLs resolved once with ``fsspec.core.url_to_fs``; paths on a filesystem are joined with
+``/``, never ``os.path.join``, so ``s3://bucket/run`` stays a URL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+import re
+from typing import Any
+
+import fsspec
+from fsspec.core import split_protocol, url_to_fs
+from fsspec.implementations.local import LocalFileSystem
+from fsspec.registry import known_implementations, registry
+
+from stagesafe._planning import temp_name
+from stagesafe.errors import InvalidArgumentError, StorageBackendError
+
+__all__ = ["basename", "fsync_dir", "is_local", "join", "list_files", "resolve", "url_of", "write_atomic"]
+
+# fsspec backend package -> the stagesafe extra that installs it.
+_EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
+
+
+def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """``uri`` -> ``(filesystem, path on it)``; an unknown protocol or missing backend is a ``StorageBackendError``."""
+    if isinstance(uri, os.PathLike):
+        uri = os.fspath(uri)
+        if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/[^/]", uri):  # pathlib.Path("s3://b/x") collapses to "s3:/b/x"
+            raise InvalidArgumentError(f"{uri!r} looks like a URL that pathlib collapsed; pass the URL as a str")
+    if not isinstance(uri, str) or not uri:
+        raise InvalidArgumentError(
+            f"uri={uri!r} must be a non-empty str: a local path or an fsspec URL like 's3://bucket/run'"
+        )
+    for part in uri.split("::"):
+        protocol, _ = split_protocol(part)
+        if protocol and protocol not in known_implementations and protocol not in registry:
+            raise StorageBackendError(
+                f"{uri!r}: no filesystem is known for protocol {protocol!r}; check the spelling "
+                "(fsspec knows e.g. file, memory, s3, gs, az, hf) or install the package that registers it"
+            )
+    try:
+        fs, path = url_to_fs(uri, **(storage_options or {}))
+    except ImportError as exc:
+        raise StorageBackendError(_missing_backend(uri, exc)) from exc
+    return fs, (path.rstrip("/") or path)
+
+
+def _missing_backend(uri: str, exc: ImportError) -> str:
+    for part in uri.split("::"):
+        protocol, _ = split_protocol(part)
+        impl = known_implementations.get(protocol or "")
+        if impl is None:
+            continue
+        package = impl["class"].split(".")[0]
+        if importlib.util.find_spec(package) is not None:
+            continue
+        extra = _EXTRAS.get(package)
+        how = f"pip install 'stagesafe[{extra}]' (or pip install {package})" if extra else f"pip install {package}"
+        return f"{uri!r} needs the {package} package for {protocol}:// URLs, which is not installed: {how}"
+    return f"{uri!r}: the fsspec backend could not be imported ({exc}); install it"
+
+
+def join(root: str, name: str) -> str:
+    """``root/name`` with the filesystem's ``/``."""
+    return f"{root.rstrip('/')}/{name}"
+
+
+def basename(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def url_of(fs: fsspec.AbstractFileSystem, path: str) -> str:
+    """A URL for messages: ``memory:///x``, ``s3://b/x``; local paths stay plain paths, as users typed them."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return isinstance(fs, LocalFileSystem)
+
+
+def list_files(fs: fsspec.AbstractFileSystem, root: str, *, kind: str = "file") -> list[str]:
+    """Names of the files (or, with ``kind="directory"``, folders) directly under ``root``; none if it does not
+    exist. Bypasses fsspec's listing cache, which another writer may have made stale."""
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [basename(e["name"]) for e in entries if e.get("type") == kind]
+
+
+def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
+    """Publish ``data`` at ``path`` so that no reader ever sees a partial file under that name.
+
+    Locally: write a temporary sibling, fsync, ``os.replace``. Object stores and ``memory://`` publish an
+    object in one PUT, which is atomic already, and have no cheap rename.
+    """
+    if not is_local(fs):
+        fs.pipe_file(path, data)
+        return
+    tmp = temp_name(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def fsync_dir(fs: fsspec.AbstractFileSystem, root: str) -> None:
+    """Make renames under a local ``root`` durable before the next step relies on them (no-op elsewhere)."""
+    if not is_local(fs):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

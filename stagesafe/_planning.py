@@ -1,0 +1,313 @@
+"""Pure logic of the handoff format: sizes, shard plans, file names, the index and the manifest.
+
+No torch and no fsspec here, so that every rule of the format is tested with plain data and the CLI can use
+it without importing torch.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from decimal import Decimal
+from typing import Any
+
+from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
+
+__all__ = [
+    "FORMAT",
+    "INDEX_NAME",
+    "MANIFEST_NAME",
+    "SAFETENSORS_DTYPES",
+    "build_index",
+    "build_manifest",
+    "check_metadata",
+    "is_shard_name",
+    "is_temp_name",
+    "parse_size",
+    "plan_shards",
+    "shard_file_names",
+    "shard_names",
+    "temp_name",
+    "validate_manifest",
+]
+
+FORMAT = "stagesafe/1"
+INDEX_NAME = "model.safetensors.index.json"  # the name Hugging Face loaders look for
+MANIFEST_NAME = "stagesafe.json"  # written last: its presence and content define the committed handoff
+
+_SHARD_RE = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5,}-of-\d{5,}\.safetensors")
+# Only temporary files of our own names, so that a user's unrelated `x.tmp-1` in the folder is left alone.
+_TEMP_RE = re.compile(
+    r"(?:model-.*\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(MANIFEST_NAME) + r")\.tmp-[0-9a-f]+"
+)
+_TAG_RE = re.compile(r"[0-9a-f]{8}")
+
+# safetensors header dtype codes -> torch dtype names as the manifest records them (str(dtype) minus "torch.").
+SAFETENSORS_DTYPES = {
+    "BOOL": "bool",
+    "U8": "uint8",
+    "I8": "int8",
+    "I16": "int16",
+    "U16": "uint16",
+    "I32": "int32",
+    "U32": "uint32",
+    "I64": "int64",
+    "U64": "uint64",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F32": "float32",
+    "F64": "float64",
+    "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+}
+
+# Decimal units are powers of 1000, as Hugging Face's "5GB" means; binary units are spelled KiB/MiB/...
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 1000,
+    "MB": 1000**2,
+    "GB": 1000**3,
+    "TB": 1000**4,
+    "KIB": 1024,
+    "MIB": 1024**2,
+    "GIB": 1024**3,
+    "TIB": 1024**4,
+}
+_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
+
+
+def parse_size(value: int | str, *, name: str = "max_shard_size") -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"1.5GiB"`` -> 1_610_612_736, ``1000`` -> 1000; a positive byte count."""
+    hint = (
+        f"{name}={value!r} is not a size: give a positive number of bytes or a number with a unit, "
+        'e.g. 5000000, "5GB", "500MB", "1.5GiB" (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024)'
+    )
+    if isinstance(value, bool):
+        raise InvalidArgumentError(hint)
+    if isinstance(value, int):
+        if value <= 0:
+            raise InvalidArgumentError(hint)
+        return value
+    if not isinstance(value, str):
+        raise InvalidArgumentError(hint)
+    match = _SIZE_RE.fullmatch(value)
+    if match is None or match.group(2).upper() not in _UNITS:
+        raise InvalidArgumentError(hint)
+    number, unit = match.groups()
+    size = int(Decimal(number) * _UNITS[unit.upper()])  # Decimal: "1.1TB" is exactly 1_100_000_000_000
+    if size <= 0:
+        raise InvalidArgumentError(hint)
+    return size
+
+
+def plan_shards(entries: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` greedily, in the given order, into shards of at most ``max_shard_size`` bytes.
+
+    As huggingface_hub's ``split_state_dict_into_shards_factory``: a tensor larger than the limit gets a shard of
+    its own. Unlike it, that shard takes its place in order, so file order follows state-dict order.
+    """
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
+        raise InvalidArgumentError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, nbytes in entries:
+        if current and current_size + nbytes > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += nbytes
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_file_names(n: int, *, taken: Iterable[str] = (), tag: str | None = None) -> list[str]:
+    """Hugging Face shard names for ``n`` shards, avoiding every name in ``taken``.
+
+    ``taken`` holds the files of the committed handoff. If a plain name ``model-00001-of-0000N.safetensors``
+    is among them, all names get a generation tag, ``model-<8 hex>-00001-of-0000N.safetensors``, so that a new
+    handoff never overwrites a file that readers of the committed one may be reading. ``tag`` fixes the tag
+    (ranks writing shards of one handoff must agree on it); by default a random one is drawn.
+    """
+    taken = set(taken)
+    plain = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    if taken.isdisjoint(plain):
+        return plain
+    if tag is not None and not _TAG_RE.fullmatch(tag):
+        raise InvalidArgumentError(f"tag={tag!r} must be 8 lower-case hex digits, e.g. {secrets.token_hex(4)!r}")
+    while True:
+        chosen = tag if tag is not None else secrets.token_hex(4)
+        names = [f"model-{chosen}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        if taken.isdisjoint(names):
+            return names
+        if tag is not None:
+            raise InvalidArgumentError(f"tag={tag!r} is used by the committed handoff's files; pick another tag")
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is a shard file name this format writes (plain or generation-tagged)."""
+    return _SHARD_RE.fullmatch(name) is not None
+
+
+def temp_name(name: str, token: str | None = None) -> str:
+    """The temporary name ``name`` is written under before the rename that publishes it."""
+    return f"{name}.tmp-{token if token is not None else secrets.token_hex(4)}"
+
+
+def is_temp_name(name: str) -> bool:
+    """Whether ``name`` is a temporary file of this format, e.g. left behind by a killed writer."""
+    return _TEMP_RE.fullmatch(name) is not None
+
+
+def build_index(weight_map: Mapping[str, str], total_size: int) -> dict[str, Any]:
+    """The content of ``model.safetensors.index.json`` in Hugging Face's layout."""
+    return {"metadata": {"total_size": int(total_size)}, "weight_map": dict(weight_map)}
+
+
+def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Return a JSON-plain copy of the caller's metadata, or say which entry JSON cannot hold.
+
+    Strict JSON: string keys, finite numbers; tuples become lists. Checked before anything is written.
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidArgumentError(f"metadata must be a dict of JSON values, got {type(metadata).__name__}")
+    return _plain_json(metadata, "metadata")
+
+
+def _plain_json(value: Any, where: str) -> Any:
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgumentError(f"{where} is {value!r}, which strict JSON cannot hold; store it as a string")
+        return float(value)
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise InvalidArgumentError(
+                    f"{where} has key {key!r} of type {type(key).__name__}; JSON keys are strings"
+                )
+            out[key] = _plain_json(item, f"{where}[{key!r}]")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_plain_json(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    hint = "; convert it with .item() or .tolist()" if hasattr(value, "item") else ""
+    raise InvalidArgumentError(
+        f"{where} is a {type(value).__module__}.{type(value).__qualname__} ({value!r:.60}), not a JSON value "
+        f"(None, bool, int, float, str, list, dict){hint}"
+    )
+
+
+def build_manifest(
+    *,
+    shards: Mapping[str, Mapping[str, Any]],
+    weight_map: Mapping[str, str],
+    tensors: Mapping[str, Mapping[str, Any]],
+    aliases: Mapping[str, str],
+    total_size: int,
+    metadata: Mapping[str, Any] | None,
+    versions: Mapping[str, str | None],
+    created: str,
+) -> dict[str, Any]:
+    """The manifest ``stagesafe.json``; validated here so that a writer never commits one a reader would refuse."""
+    manifest = {
+        "format": FORMAT,
+        "created": created,
+        "shards": {name: {"sha256": rec["sha256"], "size": int(rec["size"])} for name, rec in shards.items()},
+        "weight_map": dict(weight_map),
+        "tensors": {
+            name: {"dtype": meta["dtype"], "shape": [int(d) for d in meta["shape"]]} for name, meta in tensors.items()
+        },
+        "aliases": dict(aliases),
+        "total_size": int(total_size),
+        "metadata": check_metadata(metadata),
+        "versions": dict(versions),
+    }
+    return validate_manifest(manifest, source="the new manifest")
+
+
+def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
+    """Check a manifest's structure and internal consistency; raise ``HandoffCorruptError`` naming what is off."""
+
+    def bad(what: str) -> HandoffCorruptError:
+        return HandoffCorruptError(f"{source}: {what}; the handoff cannot be trusted, write it again")
+
+    if not isinstance(manifest, dict):
+        raise bad(f"the manifest is a JSON {type(manifest).__name__}, not an object")
+    fmt = manifest.get("format")
+    if fmt != FORMAT:
+        if isinstance(fmt, str) and fmt.startswith("stagesafe/"):
+            raise HandoffCorruptError(
+                f"{source}: format {fmt!r} is newer than this stagesafe reads ({FORMAT!r}); upgrade stagesafe"
+            )
+        raise bad(f"'format' is {fmt!r}, expected {FORMAT!r}")
+    for key, kind in (
+        ("created", str),
+        ("shards", dict),
+        ("weight_map", dict),
+        ("tensors", dict),
+        ("aliases", dict),
+        ("total_size", int),
+        ("metadata", dict),
+        ("versions", dict),
+    ):
+        if not isinstance(manifest.get(key), kind):
+            raise bad(f"'{key}' is missing or not a {kind.__name__}")
+    shards, weight_map, tensors, aliases = (manifest[k] for k in ("shards", "weight_map", "tensors", "aliases"))
+    for file, rec in shards.items():
+        if not is_shard_name(file):
+            raise bad(f"shard name {file!r} is not a shard file name of this format")
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("sha256"), str)
+            or not re.fullmatch(r"[0-9a-f]{64}", rec["sha256"])
+            or not isinstance(rec.get("size"), int)
+            or isinstance(rec["size"], bool)
+            or rec["size"] < 0
+        ):
+            raise bad(f"shard {file!r} needs a 64-hex 'sha256' and a byte 'size', got {rec!r:.120}")
+    for name, file in weight_map.items():
+        if file not in shards:
+            raise bad(f"'weight_map' puts {name!r} in {file!r}, which is not listed in 'shards'")
+    for alias, canonical in aliases.items():
+        if alias in weight_map:
+            raise bad(f"{alias!r} is both stored ('weight_map') and an alias")
+        if canonical not in weight_map:
+            raise bad(f"alias {alias!r} points to {canonical!r}, which is not stored ('weight_map')")
+    for name, meta in tensors.items():
+        if (
+            not isinstance(meta, dict)
+            or not isinstance(meta.get("dtype"), str)
+            or not isinstance(meta.get("shape"), list)
+            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in meta["shape"])
+        ):
+            raise bad(f"tensor {name!r} needs a 'dtype' string and a 'shape' list, got {meta!r:.120}")
+    described, stored = set(tensors), set(weight_map) | set(aliases)
+    if described != stored:
+        extra, missing = sorted(described - stored), sorted(stored - described)
+        raise bad(
+            f"'tensors' and 'weight_map'+'aliases' disagree: only in 'tensors': {extra[:5]}, "
+            f"only in the maps: {missing[:5]}"
+        )
+    return manifest
+
+
+def shard_names(weight_map: Mapping[str, str], shards: Sequence[str]) -> dict[str, list[str]]:
+    """Invert a weight map: each shard file to the tensor names it holds, in weight-map order."""
+    out: dict[str, list[str]] = {file: [] for file in shards}
+    for name, file in weight_map.items():
+        out.setdefault(file, []).append(name)
+    return out

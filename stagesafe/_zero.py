@@ -1,0 +1,343 @@
+"""Everything that touches DeepSpeed internals, and nothing else.
+
+DeepSpeed leaves state on the module it wraps: ``ds_*`` attributes and bound methods on every parameter,
+``ds_*``/``_external_params`` attributes and a ``ZeROOrderedDict`` on every submodule, forward hooks, and
+empty ``.data`` where a ZeRO-3 partition used to be. This file reads the consolidated weights out of a live
+engine, loads exact values into one, and takes a module back to the plain state it had before the engine.
+When DeepSpeed changes, this is the one file that changes with it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+import torch
+from torch import nn
+
+__all__ = [
+    "ModuleFootprint",
+    "take_footprint",
+    "find_stale_state",
+    "is_engine",
+    "has_fp32_master",
+    "iter_consolidated",
+    "set_fp32_masters",
+    "load_values_into_engine",
+    "destroy_engine",
+    "strip_deepspeed_state",
+]
+
+# The hook tables an nn.Module keeps; DeepSpeed registers into some of them.
+_HOOK_TABLES = (
+    "_forward_hooks",
+    "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called",
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_backward_hooks",
+    "_backward_pre_hooks",
+    "_state_dict_hooks",
+    "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks",
+)
+# Tensor-level hook tables (gradient hooks DeepSpeed's optimizers register on parameters).
+_TENSOR_HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def _is_deepspeed_callable(fn: Any) -> bool:
+    """True for a hook that DeepSpeed registered (judged by the module its code lives in)."""
+    target = getattr(fn, "__func__", fn)
+    target = getattr(target, "func", target)  # functools.partial
+    module_name = getattr(target, "__module__", "") or ""
+    return module_name == "deepspeed" or module_name.startswith("deepspeed.")
+
+
+@dataclass
+class ModuleFootprint:
+    """What a module looked like before an engine touched it: attribute names and hook ids, per object."""
+
+    module_attrs: dict[int, set[str]] = field(default_factory=dict)
+    module_hooks: dict[int, dict[str, set[int]]] = field(default_factory=dict)
+    param_attrs: dict[int, set[str]] = field(default_factory=dict)
+    param_hooks: dict[int, dict[str, set[int]]] = field(default_factory=dict)
+
+
+def _hook_ids(obj: Any, tables: Iterable[str]) -> dict[str, set[int]]:
+    ids = {}
+    for table in tables:
+        hooks = getattr(obj, table, None)
+        if isinstance(hooks, Mapping):
+            ids[table] = set(hooks.keys())
+    return ids
+
+
+def take_footprint(module: nn.Module) -> ModuleFootprint:
+    """Record attribute names and hook ids of the module tree, so that what an engine adds can be removed."""
+    footprint = ModuleFootprint()
+    for sub in module.modules():
+        footprint.module_attrs[id(sub)] = set(vars(sub))
+        footprint.module_hooks[id(sub)] = _hook_ids(sub, _HOOK_TABLES)
+    for param in module.parameters():
+        footprint.param_attrs[id(param)] = set(vars(param))
+        footprint.param_hooks[id(param)] = _hook_ids(param, _TENSOR_HOOK_TABLES)
+    return footprint
+
+
+def find_stale_state(module: nn.Module) -> list[str]:
+    """Describe every trace of an earlier DeepSpeed engine on the module; empty when the module is clean."""
+    problems: list[str] = []
+    for name, sub in module.named_modules():
+        label = name or "<root>"
+        ds_attrs = sorted(k for k in vars(sub) if k.startswith("ds_") or k in ("_external_params", "_original_parameters"))
+        if ds_attrs:
+            problems.append(f"module {label!r} carries DeepSpeed attributes {ds_attrs}")
+        if type(sub._parameters).__module__.startswith("deepspeed"):
+            problems.append(f"module {label!r} has DeepSpeed's {type(sub._parameters).__name__} as _parameters")
+        for table in _HOOK_TABLES:
+            hooks = getattr(sub, table, None)
+            if isinstance(hooks, Mapping):
+                n = sum(1 for hook in hooks.values() if _is_deepspeed_callable(hook))
+                if n:
+                    problems.append(f"module {label!r} has {n} DeepSpeed hook(s) in {table}")
+    for name, param in module.named_parameters(remove_duplicate=True):
+        ds_attrs = sorted(k for k in vars(param) if k.startswith("ds_") or k in ("_z3_optimizer", "_hp_mapping"))
+        if ds_attrs:
+            problems.append(f"parameter {name!r} carries DeepSpeed attributes {ds_attrs[:5]}")
+        if param.numel() == 0 and "ds_shape" in vars(param):
+            problems.append(f"parameter {name!r} is an empty ZeRO-3 placeholder (shape {tuple(param.shape)})")
+    return problems
+
+
+def is_engine(obj: Any) -> bool:
+    """True for a DeepSpeed engine (imports nothing when DeepSpeed was never loaded)."""
+    import sys
+
+    engine_module = sys.modules.get("deepspeed.runtime.engine")
+    return engine_module is not None and isinstance(obj, engine_module.DeepSpeedEngine)
+
+
+def _is_zero3_param(param: torch.Tensor) -> bool:
+    return hasattr(param, "ds_id")
+
+
+def has_fp32_master(param: torch.Tensor) -> bool:
+    """True when the engine's optimizer holds a full-precision master copy of this parameter."""
+    if not param.requires_grad:
+        return False
+    if _is_zero3_param(param):
+        return getattr(param, "_z3_optimizer", None) is not None
+    return getattr(param, "_hp_mapping", None) is not None
+
+
+@contextlib.contextmanager
+def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
+    """Make ZeRO-3 parameters whole for the duration of the block (a collective: every rank enters)."""
+    partitioned = [p for p in params if _is_zero3_param(p)]
+    if not partitioned:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(partitioned, modifier_rank=modifier_rank):
+        yield
+
+
+def _named_tensors(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str, torch.Tensor]]:
+    """Parameters and persistent buffers by their state-dict name (tied parameters appear once per name)."""
+    params = dict(module.named_parameters(remove_duplicate=False))
+    state_keys = set(module.state_dict(keep_vars=True).keys())
+    buffers = {n: b for n, b in module.named_buffers(remove_duplicate=False) if n in state_keys}
+    return params, buffers
+
+
+def iter_consolidated(
+    module: nn.Module,
+    *,
+    to_dtype: Callable[[str, torch.Tensor], torch.Tensor],
+    bucket_bytes: int = 256 * 2**20,
+) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """Yield ``(name, cpu_tensor, is_fp32_master)`` for every parameter and persistent buffer of a live engine.
+
+    Trainable parameters come from the optimizer's fp32 master weights, everything else from the module
+    (ZeRO-3 partitions gathered). ``to_dtype(name, tensor)`` turns each value into what the caller stores.
+    Every rank must iterate to the end: the gathers are collectives.
+    """
+    params, buffers = _named_tensors(module)
+    seen: dict[int, str] = {}
+    pending: list[tuple[str, nn.Parameter]] = []
+    pending_bytes = 0
+
+    def flush() -> Iterator[tuple[str, torch.Tensor, bool]]:
+        with _gathered([p for _, p in pending]):
+            for pname, p in pending:
+                yield pname, to_dtype(pname, p.data.detach().to("cpu", copy=True)), False
+
+    for name, param in params.items():
+        if id(param) in seen:
+            continue  # a tied parameter: the caller aliases it through the state dict
+        seen[id(param)] = name
+        if has_fp32_master(param):
+            import deepspeed.utils
+
+            master = deepspeed.utils.safe_get_full_fp32_param(param)
+            yield name, to_dtype(name, master.detach().to("cpu").reshape(_full_shape(param))), True
+            continue
+        pending.append((name, param))
+        pending_bytes += _full_numel(param) * param.element_size()
+        if pending_bytes >= bucket_bytes:
+            yield from flush()
+            pending, pending_bytes = [], 0
+    if pending:
+        yield from flush()
+    for name, buf in buffers.items():
+        yield name, to_dtype(name, buf.detach().to("cpu", copy=True)), False
+
+
+def _full_shape(param: torch.Tensor) -> torch.Size:
+    return param.ds_shape if _is_zero3_param(param) else param.shape
+
+
+def _full_numel(param: torch.Tensor) -> int:
+    return param.ds_numel if _is_zero3_param(param) else param.numel()
+
+
+def set_fp32_masters(module: nn.Module, values: Mapping[str, torch.Tensor]) -> int:
+    """Make the optimizer's fp32 master weights equal ``values`` bit for bit; returns how many were set.
+
+    DeepSpeed builds its masters from the module after casting it to 16 bits, which rounds them; this puts
+    the exact values back. Purely local: each rank writes its own partition.
+    """
+    import deepspeed.utils
+
+    count = 0
+    seen: set[int] = set()
+    for name, param in module.named_parameters(remove_duplicate=False):
+        if id(param) in seen or not has_fp32_master(param) or name not in values:
+            continue
+        seen.add(id(param))
+        if _is_zero3_param(param):
+            _set_zero3_master(param, values[name])
+        else:
+            value = values[name].detach().to(device=param.device, dtype=torch.float32)
+            deepspeed.utils.safe_set_full_fp32_param(param, value)
+        count += 1
+    return count
+
+
+def _set_zero3_master(param: nn.Parameter, value: torch.Tensor) -> None:
+    """Write this rank's slice of ``value`` into the fp32 master partition, padding included.
+
+    DeepSpeed's ``safe_set_full_fp32_param`` narrows past the end of the value on the rank whose partition
+    holds padding (any parameter whose size the world size does not divide), so the slice is cut here.
+    """
+    optimizer = param._z3_optimizer
+    partition, group_index = optimizer._get_fp32_opt_state_partition(param, release_swap_buffers=False)
+    rank = torch.distributed.get_rank(group=optimizer._get_param_partition_group(param))
+    flat = value.detach().reshape(-1)
+    start = partition.numel() * rank
+    count = max(0, min(partition.numel(), flat.numel() - start))
+    with torch.no_grad():
+        if count:
+            partition[:count].copy_(flat[start : start + count].to(partition.device, partition.dtype))
+        partition[count:].zero_()
+    if optimizer._swappable_optimizer_subgroup(group_index):
+        optimizer._optimizer_states_and_gradient_swap_out(group_index)
+
+
+def load_values_into_engine(module: nn.Module, values: Mapping[str, torch.Tensor], *, set_masters: bool) -> None:
+    """Load a full state dict into a live engine's module (its 16-bit partitions, and masters if asked).
+
+    Every rank holds ``values`` whole; ZeRO-3 partitions are rewritten through DeepSpeed's public
+    ``GatheredParameters`` (rank 0 writes, DeepSpeed re-partitions). A collective.
+    """
+    params, buffers = _named_tensors(module)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    seen: set[int] = set()
+    for sub in module.modules():
+        own = [(n, p) for n, p in params.items() if any(p is q for q in sub.parameters(recurse=False))]
+        own = [(n, p) for n, p in own if id(p) not in seen and n in values]
+        if not own:
+            continue
+        seen.update(id(p) for _, p in own)
+        with _gathered([p for _, p in own], modifier_rank=0):
+            if rank == 0 or not any(_is_zero3_param(p) for _, p in own):
+                with torch.no_grad():
+                    for n, p in own:
+                        p.data.copy_(values[n].reshape(p.data.shape))
+    with torch.no_grad():
+        for name, buf in buffers.items():
+            if name in values:
+                buf.copy_(values[name])
+    if set_masters:
+        set_fp32_masters(module, values)
+
+
+def destroy_engine(engine: Any) -> None:
+    """Let DeepSpeed remove what it registered (module and gradient hooks, by handle)."""
+    engine.destroy()
+
+
+def strip_deepspeed_state(
+    module: nn.Module, footprint: ModuleFootprint | None, values: Mapping[str, torch.Tensor] | None
+) -> None:
+    """Take the module back to plain PyTorch: drop what DeepSpeed added and give parameters real tensors.
+
+    ``values`` (state-dict name -> tensor in the wanted dtype and device) become the parameters' and buffers'
+    data; parameter objects keep their identity, so tied weights stay tied and user references stay valid.
+    Attributes and hooks present in ``footprint`` (taken before the engine) are the user's and are kept.
+    """
+    params, buffers = _named_tensors(module)
+    for sub in module.modules():
+        _restore_parameter_dict(sub)
+        before = footprint.module_attrs.get(id(sub)) if footprint else None
+        for key in list(vars(sub)):
+            added = before is not None and key not in before
+            if added or key.startswith("ds_") or key in ("_external_params", "_original_parameters"):
+                if key.startswith("_") and key in _MODULE_SLOTS:
+                    continue
+                delattr(sub, key)
+        _remove_hooks(sub, _HOOK_TABLES, footprint.module_hooks.get(id(sub)) if footprint else None)
+    done: set[int] = set()
+    for name, param in params.items():
+        if id(param) in done:
+            continue
+        done.add(id(param))
+        before = footprint.param_attrs.get(id(param)) if footprint else None
+        for key in list(vars(param)):
+            if (before is not None and key not in before) or key.startswith("ds_") or key in ("_z3_optimizer", "_hp_mapping"):
+                delattr(param, key)
+        _remove_hooks(param, _TENSOR_HOOK_TABLES, footprint.param_hooks.get(id(param)) if footprint else None)
+        if values is not None and name in values:
+            param.data = values[name]
+    if values is not None:
+        for name, buf in buffers.items():
+            if name in values:
+                buf.data = values[name]
+
+
+# nn.Module's own bookkeeping attributes, never to be deleted even when a footprint is missing.
+_MODULE_SLOTS = frozenset(vars(nn.Module()).keys())
+
+
+def _restore_parameter_dict(sub: nn.Module) -> None:
+    """Replace DeepSpeed's ZeROOrderedDict by a plain dict holding the same parameters, in order."""
+    params = sub.__dict__.get("_parameters")
+    if params is not None and type(params) is not dict and type(params).__module__.startswith("deepspeed"):
+        sub.__dict__["_parameters"] = {k: dict.__getitem__(params, k) for k in dict.keys(params)}
+
+
+def _remove_hooks(obj: Any, tables: Iterable[str], keep: dict[str, set[int]] | None) -> None:
+    """Remove hooks registered after the footprint; without one, remove only DeepSpeed's."""
+    for table in tables:
+        hooks = getattr(obj, table, None)
+        if not isinstance(hooks, dict) or not hooks:
+            continue
+        kept_ids = keep.get(table, set()) if keep is not None else None
+        for hook_id in list(hooks.keys()):
+            if kept_ids is not None and hook_id not in kept_ids:
+                del hooks[hook_id]
+            elif kept_ids is None and _is_deepspeed_callable(hooks[hook_id]):
+                del hooks[hook_id]

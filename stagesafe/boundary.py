@@ -1,0 +1,214 @@
+"""One Trainer call's passage through a DeepSpeed engine: enter, engine built, exit.
+
+Knows nothing of Lightning. ``enter`` refuses a module with stale DeepSpeed state and makes sure a handoff
+holds the module's current weights; ``engine_built`` loads the exact fp32 values into the engine's masters;
+``exit`` consolidates (after training), publishes the handoff, destroys the engine and gives the module back
+plain tensors in the dtype and device it had before its first stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+from torch import nn
+
+from . import _dist, _zero
+from .errors import StaleDeepSpeedStateError
+from .store import load_state_dict, save_state_dict
+
+__all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class HandoffTarget:
+    """Where a module's handoff lives."""
+
+    uri: str
+    storage_options: Mapping[str, Any] | None = None
+    max_shard_size: int | str = "5GB"
+
+
+@dataclass
+class BoundaryReport:
+    """What one stage boundary did, for logs and the demo."""
+
+    stage: str
+    uri: str
+    seconds: float = 0.0
+    wrote: bool = False
+    handoff_bytes: int = 0
+    stale_problems: list[str] = field(default_factory=list)
+
+    @property
+    def clean(self) -> bool:
+        return not self.stale_problems
+
+
+@dataclass
+class _ModuleRecord:
+    """What stagesafe remembers about a module between Trainer calls."""
+
+    original: dict[str, tuple[torch.dtype, torch.device]]
+    target: HandoffTarget | None = None
+    fingerprint: dict[str, tuple[int, int]] | None = None
+    handoff_bytes: int = 0
+
+
+_RECORDS: "weakref.WeakKeyDictionary[nn.Module, _ModuleRecord]" = weakref.WeakKeyDictionary()
+
+
+def assert_clean(module: nn.Module) -> None:
+    """Raise :class:`StaleDeepSpeedStateError` when the module still carries an earlier engine's state."""
+    problems = _zero.find_stale_state(module)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise StaleDeepSpeedStateError(
+            f"The module still carries state of an earlier DeepSpeed engine: {shown}. Building a new engine over it "
+            "would re-adopt stale ZeRO partitions. Run every stage through StageSafeDeepSpeedStrategy, or load the "
+            "weights into a fresh module with stagesafe.restore(module, handoff_uri)."
+        )
+
+
+def _state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach() for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+
+
+def _fingerprint(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Identity and in-place version of each tensor: unchanged means the values are unchanged."""
+    return {name: (t.data_ptr(), t._version) for name, t in tensors.items()}
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class StageBoundary:
+    """The life of one Trainer call's engine over ``module``; create one per call."""
+
+    def __init__(self, module: nn.Module, target: HandoffTarget, stage: str) -> None:
+        self.module = module
+        self.target = target
+        self.stage = stage
+        self._footprint: _zero.ModuleFootprint | None = None
+        self._entry: dict[str, torch.Tensor] | None = None
+        self._entry_fingerprint: dict[str, tuple[int, int]] | None = None
+        self._loaded: dict[str, torch.Tensor] | None = None
+        self.report = BoundaryReport(stage=stage, uri=target.uri)
+
+    # -- entering -------------------------------------------------------------------------------------------
+    def enter(self, metadata: Mapping[str, Any]) -> None:
+        """Check the module is clean and make sure the handoff holds its current weights."""
+        assert_clean(self.module)
+        tensors = _state_tensors(self.module)
+        record = _RECORDS.get(self.module)
+        if record is None:
+            record = _ModuleRecord(original={n: (t.dtype, t.device) for n, t in tensors.items()})
+            _RECORDS[self.module] = record
+        current = record.target == self.target and record.fingerprint == _fingerprint(tensors)
+        if not current:
+            cpu = {n: t.to("cpu") for n, t in tensors.items()}
+            manifest = _dist.on_rank_zero(
+                lambda: self._publish(cpu, {**metadata, "stage": f"before {self.stage}"}), "writing the first handoff"
+            )
+            record.handoff_bytes = int(manifest["total_size"]) if manifest else 0
+            record.target = self.target
+            record.fingerprint = _fingerprint(tensors)
+        self._footprint = _zero.take_footprint(self.module)
+        self._entry = tensors
+        self._entry_fingerprint = _fingerprint(tensors)
+
+    def engine_built(self, *, training: bool) -> None:
+        """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights."""
+        if training and self._entry is not None:
+            entry = self._entry
+            _dist.all_ranks(lambda: _zero.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
+            masters = {n for n, p in self.module.named_parameters(remove_duplicate=False) if _zero.has_fp32_master(p)}
+            # The masters now hold the trainable values; keep only what the engine cannot give back exactly.
+            self._entry = {n: t for n, t in self._entry.items() if n not in masters}
+
+    def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
+        """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""
+        _zero.load_values_into_engine(engine_module, values, set_masters=training)
+        self._loaded = dict(values)
+
+    # -- leaving ----------------------------------------------------------------------------------------------
+    def exit(self, engine: Any | None, *, trained: bool, metadata: Mapping[str, Any]) -> BoundaryReport:
+        """Consolidate, publish, destroy and restore; every rank must call this."""
+        start = time.perf_counter()
+        record = _RECORDS[self.module]
+        values: dict[str, torch.Tensor] | None = None
+        if engine is not None and trained:
+            values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
+        elif self._loaded is not None:
+            values = {n: v.detach().to("cpu", record.original[n][0]) for n, v in self._loaded.items() if n in record.original}
+        if engine is not None:
+            _zero.destroy_engine(engine)
+        _zero.strip_deepspeed_state(self.module, self._footprint, None)
+        if values is not None:
+            manifest = _dist.on_rank_zero(lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff")
+            self.report.wrote = True
+            record.handoff_bytes = int(manifest["total_size"]) if manifest else record.handoff_bytes
+        else:
+            values = self._unchanged_values(record)
+        self._restore(values, record)
+        self.report.handoff_bytes = record.handoff_bytes
+        self.report.stale_problems = _zero.find_stale_state(self.module)
+        self.report.seconds = time.perf_counter() - start
+        self._entry = self._loaded = None
+        return self.report
+
+    def _consolidate(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
+        """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged."""
+        entry = self._entry or {}
+
+        def to_original(name: str, value: torch.Tensor) -> torch.Tensor:
+            dtype = record.original.get(name, (value.dtype, None))[0]
+            before = entry.get(name)
+            if value.dtype != dtype and before is not None and _bitwise_equal(before.to("cpu", value.dtype), value):
+                return before.to("cpu")  # unchanged during the stage: keep the exact value, not a 16-bit round trip
+            return value.to(dtype)
+
+        values = {name: value for name, value, _ in _zero.iter_consolidated(self.module, to_dtype=to_original)}
+        for alias, param in self.module.named_parameters(remove_duplicate=False):
+            if alias not in values:  # tied parameters share one tensor, as in the module
+                canonical = next(n for n, p in self.module.named_parameters(remove_duplicate=True) if p is param)
+                values[alias] = values[canonical]
+        return {n: values[n] for n in record.original if n in values}
+
+    def _unchanged_values(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
+        """After a stage that changed nothing: the entry tensors if untouched, else the handoff itself."""
+        entry = self._entry
+        if entry is not None and _fingerprint(entry) == {n: self._entry_fingerprint[n] for n in entry} and set(entry) == set(record.original):
+            return entry
+        return load_state_dict(self.target.uri, storage_options=self.target.storage_options)
+
+    def _publish(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
+        dtypes = {n: str(record_dtype).replace("torch.", "") for n, (record_dtype, _) in _RECORDS[self.module].original.items()}
+        return save_state_dict(
+            values,
+            self.target.uri,
+            max_shard_size=self.target.max_shard_size,
+            metadata={**metadata, "original_dtypes": dtypes},
+            storage_options=self.target.storage_options,
+        )
+
+    def _restore(self, values: Mapping[str, torch.Tensor], record: _ModuleRecord) -> None:
+        """Give the module plain tensors holding ``values``, in its original dtype and device."""
+        placed = {}
+        for name, value in values.items():
+            dtype, device = record.original.get(name, (value.dtype, value.device))
+            placed[name] = value.to(device=device, dtype=dtype)
+        _zero.strip_deepspeed_state(self.module, None, placed)
+        record.target = self.target
+        record.fingerprint = _fingerprint(_state_tensors(self.module))

@@ -1,0 +1,69 @@
+"""The exception family of stagesafe.
+
+Every error derives from :class:`StageSafeError`, and also from the builtin a caller would already catch
+(``FileNotFoundError``, ``ValueError``, ...), as fsspec and huggingface_hub do.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "StageSafeError",
+    "InvalidArgumentError",
+    "HandoffNotFoundError",
+    "HandoffCorruptError",
+    "HandoffExistsError",
+    "StateDictMismatchError",
+    "StaleDeepSpeedStateError",
+    "CheckpointFormatError",
+    "UnsafeCheckpointError",
+    "StorageBackendError",
+    "DistributedStageError",
+]
+
+
+class StageSafeError(Exception):
+    """Base class of every error raised by stagesafe."""
+
+
+class InvalidArgumentError(StageSafeError, ValueError):
+    """An argument has a value stagesafe cannot use: a size like ``"5XB"``, metadata that is not JSON,
+    a state-dict entry that is not a tensor."""
+
+
+class HandoffNotFoundError(StageSafeError, FileNotFoundError):
+    """No committed handoff (no manifest) at the given URL."""
+
+
+class HandoffCorruptError(StageSafeError, ValueError):
+    """A handoff's shards do not match its manifest: a changed byte, a truncated or missing shard."""
+
+
+class HandoffExistsError(StageSafeError, FileExistsError):
+    """The destination already holds a handoff and overwriting was not asked for."""
+
+
+class StateDictMismatchError(StageSafeError, KeyError):
+    """A state dict does not fit the module: missing, unexpected or reshaped keys."""
+
+    def __str__(self) -> str:  # KeyError quotes its argument; keep the message readable
+        return str(self.args[0]) if self.args else ""
+
+
+class StaleDeepSpeedStateError(StageSafeError, RuntimeError):
+    """A module still carries state of an earlier DeepSpeed engine (``ds_*`` attributes, hooks, empty tensors)."""
+
+
+class CheckpointFormatError(StageSafeError, ValueError):
+    """A folder is not a DeepSpeed checkpoint of a layout stagesafe reads."""
+
+
+class UnsafeCheckpointError(StageSafeError, ValueError):
+    """A pickled checkpoint file holds an object outside the allow-list; it was refused, not executed."""
+
+
+class StorageBackendError(StageSafeError, ImportError):
+    """An fsspec protocol is unknown or its backend package is not installed."""
+
+
+class DistributedStageError(StageSafeError, RuntimeError):
+    """A failure on one or more ranks, raised on every rank so that none of them hangs."""

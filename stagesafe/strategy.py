@@ -1,0 +1,223 @@
+"""``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
+
+Thin glue: each override hands the work to :mod:`stagesafe.boundary`, which knows nothing of Lightning.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import os
+from typing import Any, Mapping, Optional, Union
+
+import lightning.pytorch as pl
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.strategy import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.nn import Module
+from typing_extensions import override
+
+from . import _zero
+from ._cpu import CPUCapableDeepSpeedStrategy
+from .boundary import BoundaryReport, HandoffTarget, StageBoundary
+
+__all__ = ["StageSafeDeepSpeedStrategy"]
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_HANDOFF_DIR = "stagesafe_handoff"
+
+
+class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
+    """DeepSpeed (ZeRO 1, 2 or 3) for any sequence of ``fit``/``validate``/``test``/``predict`` on one module.
+
+    At the end of every Trainer call the weights are consolidated, written as safetensors to ``handoff_uri``,
+    the engine is destroyed and the module gets plain tensors back in its original dtype and device. Takes
+    every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
+
+    Args:
+        handoff_uri: fsspec URL of the handoff folder; default ``<default_root_dir>/stagesafe_handoff``.
+        storage_options: passed to fsspec for ``handoff_uri`` (credentials, endpoint, ...).
+        max_shard_size: largest safetensors shard, e.g. ``"5GB"`` or a byte count.
+    """
+
+    strategy_name = "stagesafe_deepspeed"
+
+    def __init__(
+        self,
+        *args: Any,
+        handoff_uri: Optional[str] = None,
+        storage_options: Optional[Mapping[str, Any]] = None,
+        max_shard_size: Union[int, str] = "5GB",
+        config: Optional[Union[_PATH, dict[str, Any]]] = None,
+        **kwargs: Any,
+    ) -> None:
+        # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
+        super().__init__(*args, config=copy.deepcopy(config), **kwargs)
+        if handoff_uri is not None and not isinstance(handoff_uri, (str, os.PathLike)):
+            raise TypeError(f"handoff_uri must be a str URL or path, got {type(handoff_uri).__name__}")
+        self.handoff_uri = None if handoff_uri is None else os.fspath(handoff_uri)
+        self.storage_options = dict(storage_options or {})
+        self.max_shard_size = max_shard_size
+        self._boundary: Optional[StageBoundary] = None
+        self.last_boundary: Optional[BoundaryReport] = None
+
+    # -- entering a stage -------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: "pl.Trainer") -> None:
+        module = self.lightning_module
+        assert module is not None
+        self._boundary = StageBoundary(module, self._handoff_target(trainer), trainer.state.fn.value)
+        self._boundary.enter(self._metadata(trainer))
+        super().setup(trainer)
+        self._boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
+
+    def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
+        uri = self.handoff_uri
+        if uri is None:
+            root = str(trainer.default_root_dir)
+            uri = root.rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
+        return HandoffTarget(uri=uri, storage_options=self.storage_options, max_shard_size=self.max_shard_size)
+
+    def _metadata(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        return {
+            "global_step": int(trainer.global_step),
+            "epoch": int(trainer.current_epoch),
+            "world_size": int(self.world_size),
+            "zero_stage": int((self.config or {}).get("zero_optimization", {}).get("stage", 0)),
+        }
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        """Lightning's version, minus three faults: it read ``zero_allow_untested_optimizer`` unguarded,
+        and it wiped every module hook (the user's too) to get rid of an earlier engine's, which
+        the strategy now removes by handle at the end of each stage."""
+        import deepspeed
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = copy.deepcopy(self.config[key])
+        if self.zero_stage_3:
+            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
+            inference_config["zero_optimization"] = copy.deepcopy(self.config["zero_optimization"])
+        engine, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self.root_device.index),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+        self.model = engine
+
+    # -- checkpoints ------------------------------------------------------------------------------------------
+    @property
+    def _engine_is_live(self) -> bool:
+        return _zero.is_engine(self.model)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
+        """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): one full-weights file."""
+        if self._engine_is_live:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            return
+        Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        if os.path.isfile(os.fspath(checkpoint_path)):
+            # A full-weights file (written between stages, or by load_full_weights users)
+            return Strategy.load_checkpoint(self, checkpoint_path, weights_only)
+        if fitting:
+            return super().load_checkpoint(checkpoint_path, weights_only)
+        # DeepSpeed cannot load a checkpoint into an inference engine (its ZeRO-Offload optimizer has no
+        # _restore_from_bit16_weights): read the fp32 weights ourselves and load them into the partitions.
+        from .consolidate import load_zero_checkpoint_with_client_state
+
+        values, client_state = load_zero_checkpoint_with_client_state(os.fspath(checkpoint_path))
+        client_state = dict(client_state)
+        client_state["state_dict"] = values
+        return client_state
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        state_dict = checkpoint.get("state_dict")
+        if state_dict is None or self._boundary is None:
+            return  # DeepSpeed's own load_checkpoint already put the weights (and masters) in the engine
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        _check_keys(self.lightning_module, state_dict, strict)
+        self._boundary.checkpoint_loaded(state_dict, self.lightning_module, training=fitting)
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False
+
+    # -- leaving a stage --------------------------------------------------------------------------------------
+    @override
+    def teardown(self) -> None:
+        boundary, self._boundary = self._boundary, None
+        try:
+            if boundary is not None:
+                engine = self.model if self._engine_is_live else None
+                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+                trained = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+                metadata = self._metadata(trainer) if trainer is not None else {}
+                self.last_boundary = boundary.exit(engine, trained=trained, metadata=metadata)
+                self.model = boundary.module
+                self.optimizers = []
+                self.lr_scheduler_configs = []
+                if self.is_global_zero:
+                    report = self.last_boundary
+                    log.info(
+                        "stagesafe: %s boundary took %.2fs; handoff %s at %s (%.1f MB)%s",
+                        report.stage,
+                        report.seconds,
+                        "written" if report.wrote else "unchanged",
+                        report.uri,
+                        report.handoff_bytes / 1e6,
+                        "" if report.clean else f"; NOT clean: {report.stale_problems}",
+                    )
+        finally:
+            super().teardown()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
+        for stage in (1, 2, 3):
+            strategy_registry.register(
+                f"stagesafe_deepspeed_stage_{stage}", cls, description=f"stagesafe: DeepSpeed ZeRO stage {stage}", stage=stage
+            )
+        strategy_registry.register(
+            "stagesafe_deepspeed_stage_2_offload",
+            cls,
+            description="stagesafe: DeepSpeed ZeRO stage 2 with CPU optimizer offload",
+            stage=2,
+            offload_optimizer=True,
+        )
+        strategy_registry.register(
+            "stagesafe_deepspeed_stage_3_offload",
+            cls,
+            description="stagesafe: DeepSpeed ZeRO stage 3 with CPU offload",
+            stage=3,
+            offload_optimizer=True,
+            offload_parameters=True,
+        )
+
+
+def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:
+    """Refuse a checkpoint that does not fit the module, before anything is loaded."""
+    if module is None or not strict:
+        return
+    from .restore import check_fits
+
+    check_fits(module, state_dict)
+
+
+StageSafeDeepSpeedStrategy.register_strategies(StrategyRegistry)

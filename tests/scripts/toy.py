@@ -1,0 +1,102 @@
+"""A small LightningModule and data for the Trainer-sequence scripts, plus the probes they record.
+
+Odd sizes so ZeRO-3 pads its partitions; an embedding (the ``index_select`` of the GPU crash); a buffer;
+one user forward hook whose survival the tests check.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB, DIM, HIDDEN = 37, 24, 19
+
+
+class Backbone(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.hidden = nn.Linear(DIM, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.head = nn.Linear(HIDDEN, VOCAB)
+        self.register_buffer("scale", torch.full((HIDDEN,), 0.5))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = torch.relu(self.norm(self.hidden(self.embed(tokens))))
+        return self.head(hidden * self.scale.to(hidden.dtype))
+
+
+class ToyModule(pl.LightningModule):
+    def __init__(self, backbone: nn.Module | None = None, lr: float = 0.1, frozen_hidden: bool = False) -> None:
+        super().__init__()
+        self.backbone = backbone if backbone is not None else Backbone()
+        self.lr = lr
+        self.user_hook_calls = 0
+        self.backbone.register_forward_hook(self._user_hook)
+        if frozen_hidden:
+            self.backbone.hidden.requires_grad_(False)
+
+    def _user_hook(self, module, args, output) -> None:
+        self.user_hook_calls += 1
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.backbone(tokens)
+
+    def _loss(self, batch) -> torch.Tensor:
+        tokens, targets = batch
+        return nn.functional.cross_entropy(self(tokens).float(), targets)
+
+    def training_step(self, batch, batch_idx):
+        return self._loss(batch)
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val_loss", self._loss(batch), sync_dist=True)
+
+    def test_step(self, batch, batch_idx):
+        self.log("test_loss", self._loss(batch), sync_dist=True)
+
+    def predict_step(self, batch, batch_idx):
+        return self(batch[0]).argmax(-1)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def dataloader(n: int = 32, batch_size: int = 4) -> DataLoader:
+    generator = torch.Generator().manual_seed(1234)
+    tokens = torch.randint(0, VOCAB, (n,), generator=generator)
+    targets = torch.randint(0, VOCAB, (n,), generator=generator)
+    return DataLoader(TensorDataset(tokens, targets), batch_size=batch_size, shuffle=False)
+
+
+def state_digest(module: nn.Module) -> str:
+    """sha256 over names, dtypes, shapes and bytes of the state dict: equal digests mean bitwise equal."""
+    h = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        t = tensor.detach().to("cpu").contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def probe(module: nn.Module) -> dict:
+    """What a user would see of the module after a stage."""
+    ds_attrs = 0
+    for p in module.parameters():
+        ds_attrs += sum(1 for k in vars(p) if k.startswith("ds_"))
+    for m in module.modules():
+        ds_attrs += sum(1 for k in vars(m) if k.startswith("ds_"))
+    forward_hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+    params = list(module.parameters())
+    return {
+        "ds_attrs": ds_attrs,
+        "forward_hooks": forward_hooks,
+        "min_numel": min(p.numel() for p in params),
+        "dtypes": sorted({str(p.dtype) for p in params}),
+        "devices": sorted({str(p.device) for p in params}),
+        "digest": state_digest(module) if all(p.numel() for p in params) else None,
+    }

@@ -1,0 +1,469 @@
+"""The handoff store on real files (plain paths and file:// URLs) and memory://: round trips, sharding, tied
+weights, atomic replacement, clean-up, corruption, and the errors a user sees."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import uuid
+from collections.abc import Mapping
+from datetime import datetime, timedelta
+
+import fsspec
+import pytest
+import safetensors.torch
+import torch
+
+from stagesafe._fs import list_files, resolve
+from stagesafe.errors import (
+    HandoffCorruptError,
+    HandoffExistsError,
+    HandoffNotFoundError,
+    InvalidArgumentError,
+    StorageBackendError,
+)
+from stagesafe.store import (
+    commit,
+    live_files,
+    load_state_dict,
+    plan_handoff,
+    read_manifest,
+    save_state_dict,
+    verify,
+    write_shard,
+)
+
+INDEX, MANIFEST = "model.safetensors.index.json", "stagesafe.json"
+
+
+@pytest.fixture(params=["path", "file_url", "memory"])
+def url(request, tmp_path):
+    """A handoff location of each kind; the folder does not exist yet."""
+    if request.param == "path":
+        yield str(tmp_path / "handoff")
+    elif request.param == "file_url":
+        yield f"file://{tmp_path}/handoff"
+    else:
+        root = f"/stagesafe-tests/{uuid.uuid4().hex}"
+        yield f"memory://{root}"
+        fs = fsspec.filesystem("memory")
+        if fs.exists(root):
+            fs.rm(root, recursive=True)
+
+
+def files(url: str) -> set[str]:
+    fs, root = resolve(url)
+    return set(list_files(fs, root))
+
+
+def read(url: str, name: str) -> bytes:
+    fs, root = resolve(url)
+    return fs.cat_file(f"{root}/{name}")
+
+
+def write(url: str, name: str, data: bytes) -> None:
+    fs, root = resolve(url)
+    fs.pipe_file(f"{root}/{name}", data)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor, so NaN payloads and -0.0 compare exactly."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_bitwise_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
+    assert list(actual) == list(expected)
+    for name, want in expected.items():
+        got = actual[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert torch.equal(bits(got), bits(want)), name
+
+
+def model_dict(seed: int, n: int = 6, numel: int = 100) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(numel, generator=g) for i in range(n)}
+
+
+def test_every_dtype_round_trips_bitwise(url):
+    f32 = torch.tensor(
+        [0x7FC00001, 0xFFC12345 - 2**32, 0x80000000 - 2**32, 0x7F800000, 1, 0x3F800000], dtype=torch.int32
+    )
+    f64 = torch.tensor([0x7FF8000000000123, -0x0007FFFFFFFFFFFF, 1], dtype=torch.int64)
+    half_bits = torch.tensor([0x7E01, 0x7C00, -0x8000, 1, 0x3C00], dtype=torch.int16)
+    sd = {
+        "bool": torch.tensor([True, False, True]),
+        "uint8": torch.arange(256, dtype=torch.uint8),
+        "int8": torch.tensor([-128, 0, 127], dtype=torch.int8),
+        "int16": torch.tensor([-(2**15), 2**15 - 1], dtype=torch.int16),
+        "int32": torch.tensor([-(2**31), 2**31 - 1], dtype=torch.int32),
+        "int64": torch.tensor([-(2**63), 2**63 - 1], dtype=torch.int64),
+        "float16_nan_payloads": half_bits.view(torch.float16),
+        "bfloat16_nan_payloads": half_bits.view(torch.bfloat16),
+        "float32_nan_payloads": f32.view(torch.float32),  # quiet NaN with payload, -NaN, -0.0, inf, subnormal, 1.0
+        "float64_nan_payloads": f64.view(torch.float64),
+        "bfloat16": torch.randn(4, 5).to(torch.bfloat16),
+        "float32": torch.randn(3, 4, 5),
+        "float64": torch.randn(7, dtype=torch.float64),
+        "zero_size": torch.empty(0, 3),
+        "zero_size_int": torch.empty(0, dtype=torch.int64),
+        "scalar": torch.tensor(3.5),
+    }
+    manifest = save_state_dict(sd, url)
+    assert_bitwise_equal(load_state_dict(url), sd)
+    assert manifest["tensors"]["bfloat16"] == {"dtype": "bfloat16", "shape": [4, 5]}
+    assert manifest["tensors"]["scalar"] == {"dtype": "float32", "shape": []}
+    # Every shard carries {"format": "pt"}, which transformers' loaders check for.
+    for name in manifest["shards"]:
+        data = read(url, name)
+        header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
+        assert header["__metadata__"] == {"format": "pt"}
+
+
+def test_non_contiguous_and_trainable_tensors(url):
+    base = torch.randn(4, 6)
+    param = torch.nn.Parameter(torch.randn(3))
+    sd = {"transposed": base.t(), "strided": base[:, ::2], "param": param}
+    save_state_dict(sd, url)
+    loaded = load_state_dict(url)
+    for name, want in sd.items():
+        assert torch.equal(loaded[name], want.detach()), name
+        assert loaded[name].is_contiguous() and not loaded[name].requires_grad
+    assert torch.equal(base, base)  # the caller's tensors are untouched
+
+
+def test_small_max_shard_size_gives_hf_shards_each_loadable_by_safetensors(tmp_path):
+    url = str(tmp_path / "h")
+    sd = model_dict(0, n=10, numel=100)  # 400 bytes each
+    manifest = save_state_dict(sd, url, max_shard_size="1KB")
+    shards = [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
+    assert files(url) == {*shards, INDEX, MANIFEST}
+    assert list(manifest["shards"]) == shards
+    seen = {}
+    for name in shards:
+        part = safetensors.torch.load_file(str(tmp_path / "h" / name))
+        assert len(part) == 2
+        seen.update(part)
+    assert_bitwise_equal({k: seen[k] for k in sd}, sd)
+
+    index_text = (tmp_path / "h" / INDEX).read_text()
+    index = json.loads(index_text)
+    assert list(index) == ["metadata", "weight_map"]
+    assert index["metadata"] == {"total_size": 4000}
+    assert index["weight_map"] == manifest["weight_map"]
+    assert index["weight_map"]["layer0.weight"] == shards[0] and index["weight_map"]["layer9.weight"] == shards[4]
+    assert index_text == json.dumps(index, indent=2, sort_keys=True) + "\n"  # as transformers writes it
+
+
+def test_a_tensor_over_the_limit_gets_its_own_shard(url):
+    sd = {"small": torch.zeros(10), "big": torch.zeros(1000), "small2": torch.zeros(10)}
+    manifest = save_state_dict(sd, url, max_shard_size=100)
+    assert [len(v) for v in _by_shard(manifest).values()] == [1, 1, 1]
+    assert_bitwise_equal(load_state_dict(url), sd)
+
+
+def _by_shard(manifest):
+    out = {}
+    for name, file in manifest["weight_map"].items():
+        out.setdefault(file, []).append(name)
+    return out
+
+
+def test_manifest_records_hashes_tensors_metadata_versions(url):
+    sd = model_dict(1)
+    meta = {"stage": "fit", "global_step": 12, "epoch": 3, "world_size": 2}
+    manifest = save_state_dict(sd, url, metadata=meta, max_shard_size=900)
+    assert json.loads(read(url, MANIFEST)) == manifest == read_manifest(url)
+    assert manifest["format"] == "stagesafe/1"
+    assert manifest["metadata"] == meta
+    assert manifest["total_size"] == 2400
+    assert manifest["tensors"]["layer0.weight"] == {"dtype": "float32", "shape": [100]}
+    for name, rec in manifest["shards"].items():
+        data = read(url, name)
+        assert rec == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+    assert {"python", "torch", "safetensors", "fsspec", "stagesafe"} <= set(manifest["versions"])
+    assert manifest["versions"]["torch"] == torch.__version__
+    created = datetime.fromisoformat(manifest["created"])
+    assert created.utcoffset() == timedelta(0)
+
+
+def test_tied_weights_are_stored_once_and_come_back_as_one_object(url):
+    model = torch.nn.Sequential(torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11, bias=False))
+    model[1].weight = model[0].weight  # tied, as lm_head and the embedding of a language model
+    sd = model.state_dict()  # .detach() gives distinct objects over the same memory
+    assert sd["1.weight"] is not sd["0.weight"]
+    manifest = save_state_dict(sd, url)
+    assert manifest["aliases"] == {"1.weight": "0.weight"}
+    assert list(manifest["weight_map"]) == ["0.weight"]
+    assert manifest["total_size"] == 11 * 4 * 4
+    loaded = load_state_dict(url)
+    assert list(loaded) == ["0.weight", "1.weight"]
+    assert loaded["1.weight"] is loaded["0.weight"]
+    assert torch.equal(loaded["0.weight"], model[0].weight.detach())
+
+
+def test_views_same_exactly_are_aliases_overlapping_ones_copies(url):
+    base = torch.arange(12, dtype=torch.float32)
+    sd = {
+        "base": base,
+        "head": base[0:6],  # overlaps base and mid: written as its own copy
+        "mid": base[4:10],
+        "head_again": base[0:6],  # the very same view as head: an alias
+        "evens": base[::2],  # non-contiguous view
+        "as_int": base.view(torch.int32),  # same bytes, another dtype: not an alias
+    }
+    manifest = save_state_dict(sd, url)
+    assert manifest["aliases"] == {"head_again": "head"}
+    loaded = load_state_dict(url)
+    for name, want in sd.items():
+        assert torch.equal(loaded[name], want), name
+    assert loaded["head_again"] is loaded["head"]
+    loaded["head"][0] = 100.0  # independent storage after loading
+    assert loaded["base"][0] == 0.0 and loaded["mid"][0] == 4.0
+
+
+def test_second_save_replaces_the_first_and_leaves_no_stale_file(url):
+    save_state_dict(model_dict(1, n=6), url, max_shard_size=800)  # 3 shards
+    sd2 = model_dict(2, n=2)
+    save_state_dict(sd2, url, max_shard_size=800)  # 1 shard
+    assert files(url) == {"model-00001-of-00001.safetensors", INDEX, MANIFEST}
+    assert_bitwise_equal(load_state_dict(url), sd2)
+    verify(url)
+
+
+def test_colliding_names_are_tagged_and_the_old_generation_deleted_after_commit(url):
+    save_state_dict(model_dict(1, n=4), url, max_shard_size=800)
+    first = set(read_manifest(url)["shards"])
+    assert first == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
+
+    sd2 = model_dict(2, n=4)
+    second = set(save_state_dict(sd2, url, max_shard_size=800)["shards"])
+    assert first.isdisjoint(second)
+    assert all(name.startswith("model-") and len(name.split("-")[1]) == 8 for name in second)
+    assert files(url) == second | {INDEX, MANIFEST}
+    assert_bitwise_equal(load_state_dict(url), sd2)
+
+    third = set(save_state_dict(model_dict(3, n=4), url, max_shard_size=800)["shards"])
+    assert third == first  # plain names are free again
+    assert files(url) == third | {INDEX, MANIFEST}
+
+
+def test_shards_written_but_not_committed_do_not_change_the_committed_handoff(url):
+    sd1 = model_dict(1, n=4)
+    save_state_dict(sd1, url, max_shard_size=800)
+    old_files = files(url)
+
+    # The steps a rank runs, stopped before commit: as if the writer were killed there.
+    fs, root = resolve(url)
+    sd2 = model_dict(2, n=4)
+    plan = plan_handoff(sd2, max_shard_size=800, taken=live_files(fs, root))
+    assert set(plan.shards).isdisjoint(old_files)
+    records = {name: write_shard(fs, root, name, plan.shard_tensors(name)) for name in plan.shards}
+    assert files(url) == old_files | set(plan.shards)
+    assert_bitwise_equal(load_state_dict(url), sd1)
+    verify(url)
+
+    first, *rest = plan.shards
+    with pytest.raises(InvalidArgumentError, match=f"planned shards not written \\['{first}'\\]"):
+        commit(fs, root, plan, {name: records[name] for name in rest})
+    assert_bitwise_equal(load_state_dict(url), sd1)
+    manifest = commit(fs, root, plan, records, metadata={"stage": "fit"})
+    assert manifest == read_manifest(url)
+    assert files(url) == set(plan.shards) | {INDEX, MANIFEST}
+    assert_bitwise_equal(load_state_dict(url), sd2)
+
+
+def test_a_reader_overtaken_by_a_new_commit_reads_the_new_handoff(url, monkeypatch):
+    import stagesafe.store as store
+
+    save_state_dict(model_dict(1, n=4), url, max_shard_size=800)
+    stale = read_manifest(url)
+    sd2 = model_dict(2, n=4)
+    save_state_dict(sd2, url, max_shard_size=800)  # deletes the shards the stale manifest names
+    real, calls = store._read_manifest, []
+
+    def first_stale(fs, root):  # the reader read the manifest just before the writer committed
+        calls.append(root)
+        return stale if len(calls) == 1 else real(fs, root)
+
+    monkeypatch.setattr(store, "_read_manifest", first_stale)
+    assert_bitwise_equal(load_state_dict(url), sd2)
+    assert len(calls) == 2
+
+
+class _FailsOn(dict):
+    """A state dict whose tensor ``bad`` cannot be read when its shard is written (a dying device, say)."""
+
+    def __init__(self, items, bad):
+        super().__init__(items)
+        self.bad = bad
+
+    def __getitem__(self, key):
+        if key == self.bad:
+            raise RuntimeError("device lost while reading " + key)
+        return super().__getitem__(key)
+
+
+def test_a_save_failing_midway_keeps_the_old_handoff_and_removes_its_own_shards(url):
+    sd1 = model_dict(1, n=4)
+    save_state_dict(sd1, url, max_shard_size=800)
+    old_files = files(url)
+    with pytest.raises(RuntimeError, match="device lost"):
+        save_state_dict(_FailsOn(model_dict(2, n=4), bad="layer3.weight"), url, max_shard_size=800)
+    assert files(url) == old_files
+    assert_bitwise_equal(load_state_dict(url), sd1)
+
+
+def test_leftovers_of_a_killed_writer_are_cleaned_by_the_next_save(url):
+    save_state_dict(model_dict(1), url)
+    leftovers = [
+        "model-00001-of-00001.safetensors.tmp-deadbeef",
+        "stagesafe.json.tmp-0123abcd",
+        "model.safetensors.index.json.tmp-00ff00ff",
+        "model-0badcafe-00001-of-00003.safetensors",  # renamed into place, never committed
+    ]
+    for name in [*leftovers, "notes.txt", "notes.txt.tmp-deadbeef"]:
+        write(url, name, b"junk")
+    save_state_dict(model_dict(2), url)
+    assert files(url) == set(read_manifest(url)["shards"]) | {INDEX, MANIFEST, "notes.txt", "notes.txt.tmp-deadbeef"}
+    assert_bitwise_equal(load_state_dict(url), model_dict(2))
+
+
+def _three_shards(url):
+    sd = model_dict(5, n=6)
+    manifest = save_state_dict(sd, url, max_shard_size=800)
+    return sd, list(manifest["shards"])
+
+
+def _flip_byte(url, shard):
+    data = bytearray(read(url, shard))
+    data[len(data) - 7] ^= 0xFF  # inside the tensor data: safetensors alone would not notice
+    write(url, shard, bytes(data))
+    return "sha256"
+
+
+def _truncate(url, shard):
+    write(url, shard, read(url, shard)[:-10])
+    return "bytes, the manifest says"
+
+
+def _remove(url, shard):
+    fs, root = resolve(url)
+    fs.rm_file(f"{root}/{shard}")
+    return "missing"
+
+
+@pytest.mark.parametrize("damage", [_flip_byte, _truncate, _remove])
+def test_damaged_shards_are_refused_by_verify_and_load(url, damage):
+    _, shards = _three_shards(url)
+    expected = damage(url, shards[1])
+    for reader in (verify, load_state_dict):
+        with pytest.raises(HandoffCorruptError, match=expected) as info:
+            reader(url)
+        assert repr(shards[1]) in str(info.value)
+
+
+def test_weight_map_disagreeing_with_a_shard_is_refused_by_verify_and_load(url):
+    _, shards = _three_shards(url)
+    manifest = json.loads(read(url, MANIFEST))
+    moved = next(name for name, file in manifest["weight_map"].items() if file == shards[1])
+    for doc, name in ((manifest, MANIFEST), (json.loads(read(url, INDEX)), INDEX)):  # index too: it agrees
+        doc["weight_map"][moved] = shards[0]
+        write(url, name, json.dumps(doc).encode())
+    for reader in (verify, load_state_dict):
+        with pytest.raises(HandoffCorruptError, match="disagrees with the manifest's weight_map") as info:
+            reader(url)
+        assert repr(shards[0]) in str(info.value) and moved in str(info.value)
+
+
+def test_an_index_disagreeing_with_the_manifest_fails_verify_but_not_load(url):
+    sd, shards = _three_shards(url)
+    index = json.loads(read(url, INDEX))
+    index["weight_map"]["layer0.weight"] = shards[2]
+    write(url, INDEX, json.dumps(index).encode())
+    with pytest.raises(HandoffCorruptError, match=f"puts 'layer0.weight' in shard '{shards[2]}'"):
+        verify(url)
+    assert_bitwise_equal(load_state_dict(url), sd)  # the manifest, not the index, defines the handoff
+
+
+def test_a_damaged_manifest_is_refused(url):
+    _three_shards(url)
+    write(url, MANIFEST, b'{"format": "stagesafe/1", "shards": ')
+    for reader in (verify, load_state_dict, read_manifest):
+        with pytest.raises(HandoffCorruptError, match=r"stagesafe\.json is not valid JSON"):
+            reader(url)
+
+
+def test_overwrite_false_refuses_an_existing_handoff(url):
+    sd = model_dict(1)
+    save_state_dict(sd, url, overwrite=False)  # nothing there yet: fine
+    with pytest.raises(HandoffExistsError, match="pass overwrite=True") as info:
+        save_state_dict(model_dict(2), url, overwrite=False)
+    assert isinstance(info.value, FileExistsError)
+    assert_bitwise_equal(load_state_dict(url), sd)
+
+
+def test_missing_handoff_says_where_and_asks_about_the_folder(url):
+    with pytest.raises(HandoffNotFoundError, match="Is this the right folder") as info:
+        load_state_dict(url)
+    assert isinstance(info.value, FileNotFoundError)
+    assert url.split("://")[-1] in str(info.value)
+
+
+def test_missing_handoff_hints(tmp_path):
+    url = str(tmp_path / "h")
+    save_state_dict(model_dict(1), url)
+    (tmp_path / "h" / "sub").mkdir()
+    with pytest.raises(HandoffNotFoundError, match=r"sub-folder.*pass its parent"):
+        read_manifest(f"{url}/sub")
+    with pytest.raises(HandoffNotFoundError, match="that is a file"):
+        read_manifest(f"{url}/{INDEX}")
+    with pytest.raises(HandoffNotFoundError, match=r"sub-folders \['h'\] hold handoffs: pass one of them"):
+        read_manifest(str(tmp_path))
+    (tmp_path / "h" / MANIFEST).unlink()
+    with pytest.raises(HandoffNotFoundError, match=r"no stagesafe\.json, so a write was interrupted"):
+        load_state_dict(url)
+
+
+def test_unknown_protocol_and_missing_backend():
+    with pytest.raises(StorageBackendError, match="'nosuchproto'") as info:
+        load_state_dict("nosuchproto://bucket/run")
+    assert isinstance(info.value, ImportError)
+    for url, extra, package in (
+        ("s3://b/run", "s3", "s3fs"),
+        ("gs://b/run", "gcs", "gcsfs"),
+        ("az://c/run", "azure", "adlfs"),
+    ):
+        if importlib.util.find_spec(package) is not None:
+            continue
+        with pytest.raises(StorageBackendError, match=rf"install 'stagesafe\[{extra}\]'"):
+            save_state_dict({}, url)
+
+
+def test_metadata_that_is_not_json_is_refused_before_writing(url):
+    with pytest.raises(InvalidArgumentError, match=r"metadata\['step'\].*\.item\(\)"):
+        save_state_dict(model_dict(1), url, metadata={"step": torch.tensor(3)})
+    assert files(url) == set()
+
+
+@pytest.mark.parametrize(
+    ("sd", "pattern"),
+    [
+        ({"w": [1.0, 2.0]}, r"state_dict\['w'\] is a list, not a torch.Tensor"),
+        ({"w": torch.empty(3, device="meta")}, "meta device"),
+        ({"w": torch.zeros(2, dtype=torch.complex128)}, "complex128"),
+        ({"w": torch.zeros(3, 3).to_sparse()}, "to_dense"),
+        ({3: torch.zeros(1)}, "key 3 must be a non-empty str"),
+    ],
+)
+def test_state_dict_entries_that_cannot_be_stored(url, sd, pattern):
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        save_state_dict(sd, url)
+    assert files(url) == set()
+
+
+def test_empty_state_dict_and_pathlike(tmp_path):
+    manifest = save_state_dict({}, tmp_path / "h")
+    assert manifest["shards"] == {} and load_state_dict(str(tmp_path / "h")) == {}
+    assert json.loads((tmp_path / "h" / INDEX).read_text()) == {"metadata": {"total_size": 0}, "weight_map": {}}
+    verify(str(tmp_path / "h"))
