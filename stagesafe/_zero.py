@@ -43,6 +43,10 @@ _HOOK_TABLES = (
     "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks",
 )
+# What DeepSpeed's optimizers attach to a parameter besides ``ds_*`` (links to their fp32 partitions).
+_PARAM_LINKS = frozenset(
+    ("_z3_optimizer", "_hp_mapping", "_dp_group", "get_full_hp_param", "set_full_hp_param", "get_full_hp_grad")
+)
 # Tensor-level hook tables (gradient hooks DeepSpeed's optimizers register on parameters).
 _TENSOR_HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
 
@@ -103,7 +107,7 @@ def find_stale_state(module: nn.Module) -> list[str]:
                 if n:
                     problems.append(f"module {label!r} has {n} DeepSpeed hook(s) in {table}")
     for name, param in module.named_parameters(remove_duplicate=True):
-        ds_attrs = sorted(k for k in vars(param) if k.startswith("ds_") or k in ("_z3_optimizer", "_hp_mapping"))
+        ds_attrs = sorted(k for k in vars(param) if k.startswith("ds_") or k in _PARAM_LINKS)
         if ds_attrs:
             problems.append(f"parameter {name!r} carries DeepSpeed attributes {ds_attrs[:5]}")
         if param.numel() == 0 and "ds_shape" in vars(param):
@@ -129,7 +133,9 @@ def has_fp32_master(param: torch.Tensor) -> bool:
         return False
     if _is_zero3_param(param):
         return getattr(param, "_z3_optimizer", None) is not None
-    return getattr(param, "_hp_mapping", None) is not None
+    # ZeRO 1/2 link every parameter of the optimizer's groups, on every rank (``_hp_mapping`` is None where
+    # another rank holds the fragment), so this answer is the same everywhere and the gather below matches.
+    return "get_full_hp_param" in vars(param)
 
 
 @contextlib.contextmanager
@@ -307,7 +313,7 @@ def strip_deepspeed_state(
         done.add(id(param))
         before = footprint.param_attrs.get(id(param)) if footprint else None
         for key in list(vars(param)):
-            if (before is not None and key not in before) or key.startswith("ds_") or key in ("_z3_optimizer", "_hp_mapping"):
+            if (before is not None and key not in before) or key.startswith("ds_") or key in _PARAM_LINKS:
                 delattr(param, key)
         _remove_hooks(param, _TENSOR_HOOK_TABLES, footprint.param_hooks.get(id(param)) if footprint else None)
         if values is not None and name in values:

@@ -41,7 +41,8 @@ class BoundaryReport:
 
     stage: str
     uri: str
-    seconds: float = 0.0
+    seconds: float = 0.0  # leaving the stage: consolidate, publish, destroy, restore
+    enter_seconds: float = 0.0  # entering it: clean check, and the first handoff when one was needed
     wrote: bool = False
     handoff_bytes: int = 0
     stale_problems: list[str] = field(default_factory=list)
@@ -109,6 +110,7 @@ class StageBoundary:
     # -- entering -------------------------------------------------------------------------------------------
     def enter(self, metadata: Mapping[str, Any]) -> None:
         """Check the module is clean and make sure the handoff holds its current weights."""
+        start = time.perf_counter()
         assert_clean(self.module)
         tensors = _state_tensors(self.module)
         record = _RECORDS.get(self.module)
@@ -127,6 +129,7 @@ class StageBoundary:
         self._footprint = _zero.take_footprint(self.module)
         self._entry = tensors
         self._entry_fingerprint = _fingerprint(tensors)
+        self.report.enter_seconds = time.perf_counter() - start
 
     def engine_built(self, *, training: bool) -> None:
         """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights."""

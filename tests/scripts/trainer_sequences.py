@@ -6,7 +6,8 @@ each rank writes OUT_PREFIX.rank<r>.json. A case is a dict:
   name, strategy ("stagesafe" | "stock"), stages (e.g. ["fit", "test@best", "validate"]),
   trainer ("one" | "per_call"), precision, lr, max_epochs (int or list per stage), new_root_at (stage
   indices that wrap the previous backbone in a new LightningModule), user_config (a DeepSpeed config dict
-  shared by every strategy of the case), checkpoint (ModelCheckpoint on), frozen_hidden.
+  shared by every strategy of the case), checkpoint (ModelCheckpoint on), frozen_hidden, zero_stage.
+A spec may also name "case_groups" built by matrix_cases / scenario_cases below.
 """
 
 from __future__ import annotations
@@ -48,18 +49,62 @@ class MasterProbe(Callback):
         self.max_abs_diff = worst
 
 
+STAGES = ("fit", "validate", "test", "predict")
+
+
+def matrix_cases(strategy: str, precision: str) -> list[dict]:
+    """Every ordered pair of stages, with one Trainer and with a new Trainer per call."""
+    return [
+        {"name": f"{strategy}:{a}>{b}:{mode}", "strategy": strategy, "stages": [a, b], "trainer": mode, "precision": precision}
+        for mode in ("one", "per_call")
+        for a in STAGES
+        for b in STAGES
+    ]
+
+
+def scenario_cases(strategy: str, precision: str) -> list[dict]:
+    """The failures users hit, each as a case; run with "stock" they show the failure, with "stagesafe" the fix."""
+    user_config = {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
+    inference_config = {"zero_optimization": {"stage": 3}}  # valid for inference: no optimizer to allow
+    cases = [
+        {"name": "demo", "stages": ["validate", "fit", "test", "predict"]},
+        {"name": "hooks", "stages": ["fit", "fit", "validate", "fit"]},
+        {"name": "new_root_validate_fit", "stages": ["validate", "fit"], "new_root_at": [1]},
+        {"name": "new_root_fit_fit", "stages": ["fit", "fit"], "new_root_at": [1]},
+        {"name": "lr0", "stages": ["fit"], "lr": 0.0},
+        {"name": "frozen", "stages": ["fit", "test"], "frozen_hidden": True},
+        {"name": "continuity_split", "stages": ["fit", "validate", "fit"]},
+        {"name": "continuity_whole", "stages": ["fit"], "max_epochs": 2},
+        {"name": "ckpt", "stages": ["fit", "test@best", "validate@last", "fit@last"], "checkpoint": True},
+        {"name": "config_reuse", "stages": ["fit", "fit"], "trainer": "per_call", "user_config": user_config},
+        {"name": "config_inference", "stages": ["validate", "test", "predict"], "user_config": inference_config},
+        {"name": "save_between_stages", "stages": ["fit", "save@{root}/final.ckpt", "test@{root}/final.ckpt"]},
+        {"name": "zero_stage_1", "stages": ["fit", "test", "fit"], "zero_stage": 1},
+        {"name": "zero_stage_2", "stages": ["fit", "test", "fit"], "zero_stage": 2},
+    ]
+    for case in cases:
+        case.update(strategy=strategy, precision=precision, name=f"{strategy}:{case['name']}")
+    return cases
+
+
 def make_strategy(case: dict, root: str) -> pl.strategies.Strategy:
     kwargs = {"stage": case.get("zero_stage", 3)}
     if case.get("user_config") is not None:
         kwargs = {"config": case["user_config"]}
     if case["strategy"] == "stagesafe":
-        return StageSafeDeepSpeedStrategy(handoff_uri=f"{root}/{case['name']}/handoff", **kwargs)
+        return StageSafeDeepSpeedStrategy(handoff_uri=f"{root}/{_slug(case['name'])}/handoff", **kwargs)
+    if case["strategy"] == "lightning":
+        return pl.strategies.DeepSpeedStrategy(**kwargs)
     return CPUCapableDeepSpeedStrategy(**kwargs)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in name)
 
 
 def make_trainer(case: dict, spec: dict, strategy, max_epochs: int, callbacks: list) -> pl.Trainer:
     if case.get("checkpoint"):
-        callbacks = callbacks + [ModelCheckpoint(dirpath=f"{spec['root']}/{case['name']}/ckpt", monitor="val_loss", save_last=True)]
+        callbacks = callbacks + [ModelCheckpoint(dirpath=f"{spec['root']}/{_slug(case['name'])}/ckpt", monitor="val_loss", save_last=True)]
     return pl.Trainer(
         accelerator=spec["accelerator"],
         devices=spec["devices"],
@@ -71,13 +116,14 @@ def make_trainer(case: dict, spec: dict, strategy, max_epochs: int, callbacks: l
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        default_root_dir=f"{spec['root']}/{case['name']}",
+        default_root_dir=f"{spec['root']}/{_slug(case['name'])}",
         callbacks=callbacks,
     )
 
 
-def run_stage(trainer: pl.Trainer, module: ToyModule, stage: str) -> None:
+def run_stage(trainer: pl.Trainer, module: ToyModule, stage: str, root: str) -> None:
     fn, _, ckpt = stage.partition("@")
+    ckpt = ckpt.replace("{root}", root)
     kwargs = {"ckpt_path": ckpt} if ckpt else {}
     if fn == "fit":
         if trainer.current_epoch >= trainer.max_epochs:  # a reused Trainer needs a higher epoch budget
@@ -114,11 +160,12 @@ def run_case(case: dict, spec: dict) -> dict:
                 trainer = make_trainer(case, spec, strategy, epochs, [master_probe])
             else:
                 trainer.callbacks.append(master_probe)
-            run_stage(trainer, module, stage)
+            run_stage(trainer, module, stage, f"{spec['root']}/{_slug(case['name'])}")
         except BaseException as exc:  # noqa: BLE001 - recorded for the test to assert on
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["traceback"] = traceback.format_exc()[-3000:]
         record["master_max_abs_diff"] = master_probe.max_abs_diff
+        record["global_step"] = trainer.global_step if trainer is not None else None
         record["probe"] = probe(module)
         report = getattr(strategy, "last_boundary", None)
         if report is not None:
@@ -129,6 +176,7 @@ def run_case(case: dict, spec: dict) -> dict:
         if record["error"] is not None:
             break
     result["user_config_after"] = case.get("user_config")
+    result["handoff_uri"] = f"{spec['root']}/{_slug(case['name'])}/handoff"
     return result
 
 
@@ -136,6 +184,9 @@ def main() -> None:
     spec_path, out_prefix = sys.argv[1], sys.argv[2]
     with open(spec_path) as f:
         spec = json.load(f)
+    for group in spec.pop("case_groups", []):  # e.g. {"kind": "matrix", "strategy": "stock", "precision": ...}
+        builder = matrix_cases if group["kind"] == "matrix" else scenario_cases
+        spec["cases"] = spec.get("cases", []) + builder(group["strategy"], group["precision"])
     results = {case["name"]: run_case(case, spec) for case in spec["cases"]}
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
