@@ -63,8 +63,9 @@ def _cell(stage: dict) -> str:
         parts.append("hollow")
     if p["ds_attrs"]:
         parts.append(f"{p['ds_attrs']} ds_*")
-    if p["forward_hooks"] > 1:
-        parts.append(f"{p['forward_hooks']} hooks")
+    deepspeed_hooks = p.get("deepspeed_hooks", p["forward_hooks"] - 1)  # older records: the toy registers 1 hook
+    if deepspeed_hooks > 0:
+        parts.append(f"{deepspeed_hooks} DeepSpeed hooks")
     return "ok, clean" if not parts else "ok, " + ", ".join(parts)
 
 

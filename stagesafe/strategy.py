@@ -69,8 +69,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
         assert module is not None
-        self._boundary = StageBoundary(module, self._handoff_target(trainer), trainer.state.fn.value)
-        self._boundary.enter(self._metadata(trainer))
+        boundary = StageBoundary(module, self._handoff_target(trainer), trainer.state.fn.value)
+        boundary.enter(self._metadata(trainer))  # refuses a stale module before anything changes it
+        self._boundary = boundary
         super().setup(trainer)
         self._boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
 

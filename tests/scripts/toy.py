@@ -90,11 +90,14 @@ def probe(module: nn.Module) -> dict:
         ds_attrs += sum(1 for k in vars(p) if k.startswith("ds_"))
     for m in module.modules():
         ds_attrs += sum(1 for k in vars(m) if k.startswith("ds_"))
-    forward_hooks = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in module.modules())
+    hooks = [h for m in module.modules() for h in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+    deepspeed_hooks = sum(1 for h in hooks if getattr(h, "__module__", "").startswith("deepspeed"))
     params = list(module.parameters())
     return {
         "ds_attrs": ds_attrs,
-        "forward_hooks": forward_hooks,
+        "forward_hooks": len(hooks),
+        "deepspeed_hooks": deepspeed_hooks,
+        "user_hooks": len(hooks) - deepspeed_hooks,
         "min_numel": min(p.numel() for p in params),
         "dtypes": sorted({str(p.dtype) for p in params}),
         "devices": sorted({str(p.device) for p in params}),

@@ -81,19 +81,27 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "save_between_stages", "stages": ["fit", "save@{root}/final.ckpt", "test@{root}/final.ckpt"]},
         {"name": "zero_stage_1", "stages": ["fit", "test", "fit"], "zero_stage": 1},
         {"name": "zero_stage_2", "stages": ["fit", "test", "fit"], "zero_stage": 2},
+        {"name": "default_handoff", "stages": ["fit", "test"], "default_handoff": True},
     ]
     for case in cases:
         case.update(strategy=strategy, precision=precision, name=f"{strategy}:{case['name']}")
-    return cases
+    return cases + [
+        # a module left hollow by stock DeepSpeed, then given to stagesafe: refused before any engine is built
+        {"name": f"{strategy}:stale_module", "strategy": ["stock", strategy], "stages": ["fit", "validate"],
+         "trainer": "per_call", "precision": precision},
+    ]
 
 
-def make_strategy(case: dict, root: str) -> pl.strategies.Strategy:
+def make_strategy(case: dict, root: str, index: int) -> pl.strategies.Strategy:
     kwargs = {"stage": case.get("zero_stage", 3)}
     if case.get("user_config") is not None:
         kwargs = {"config": case["user_config"]}
-    if case["strategy"] == "stagesafe":
+    strategy = case["strategy"][index] if isinstance(case["strategy"], list) else case["strategy"]
+    if strategy == "stagesafe":
+        if case.get("default_handoff"):
+            return StageSafeDeepSpeedStrategy(**kwargs)
         return StageSafeDeepSpeedStrategy(handoff_uri=f"{root}/{_slug(case['name'])}/handoff", **kwargs)
-    if case["strategy"] == "lightning":
+    if strategy == "lightning":
         return pl.strategies.DeepSpeedStrategy(**kwargs)
     return CPUCapableDeepSpeedStrategy(**kwargs)
 
@@ -156,7 +164,7 @@ def run_case(case: dict, spec: dict) -> dict:
         record: dict = {"stage": stage, "error": None}
         try:
             if trainer is None or case.get("trainer", "one") == "per_call":
-                strategy = make_strategy(case, spec["root"])
+                strategy = make_strategy(case, spec["root"], index)
                 trainer = make_trainer(case, spec, strategy, epochs, [master_probe])
             else:
                 trainer.callbacks.append(master_probe)
