@@ -67,7 +67,7 @@ def main() -> None:
     for stage in ("fit", "test"):
         getattr(trainer, stage)(model, data)
         report = strategy.last_boundary
-        rows.append((stage, report.enter_seconds, report.seconds, report.wrote))
+        rows.append((stage, report.enter_seconds, report.seconds, report.wrote, dict(report.phases)))
 
     if dist.get_rank() != 0:
         return
@@ -83,10 +83,11 @@ def main() -> None:
           f"{args.accelerator}, {args.precision}; torch {torch.__version__}")
     print(f"baseline safetensors.torch.save_file of the same state dict: {baseline:.3f} s "
           f"({nbytes / baseline / 1e9:.2f} GB/s)\n")
-    print("| stage | enter (s) | enter / save_file | leave (s) | leave / save_file | handoff written |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for stage, enter, leave, wrote in rows:
-        print(f"| {stage} | {enter:.3f} | {enter / baseline:.2f}x | {leave:.3f} | {leave / baseline:.2f}x | {wrote} |")
+    print("| stage | enter (s) | enter / save_file | leave (s) | leave / save_file | handoff written | leave phases (s) |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for stage, enter, leave, wrote, phases in rows:
+        detail = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        print(f"| {stage} | {enter:.3f} | {enter / baseline:.2f}x | {leave:.3f} | {leave / baseline:.2f}x | {wrote} | {detail} |")
     print(f"\nreproduce: python benchmarks/bench_boundary.py --layers {args.layers} --width {args.width} "
           f"--accelerator {args.accelerator} --devices {args.devices} --precision {args.precision}")
 

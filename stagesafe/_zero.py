@@ -287,15 +287,14 @@ def destroy_engine(engine: Any) -> None:
 
 
 def strip_deepspeed_state(
-    module: nn.Module, footprint: ModuleFootprint | None, values: Mapping[str, torch.Tensor] | None
+    module: nn.Module, footprint: ModuleFootprint | None
 ) -> None:
-    """Take the module back to plain PyTorch: drop what DeepSpeed added and give parameters real tensors.
+    """Take the module back to plain PyTorch: drop every attribute, hook and container DeepSpeed added.
 
-    ``values`` (state-dict name -> tensor in the wanted dtype and device) become the parameters' and buffers'
-    data; parameter objects keep their identity, so tied weights stay tied and user references stay valid.
-    Attributes and hooks present in ``footprint`` (taken before the engine) are the user's and are kept.
+    Attributes and hooks present in ``footprint`` (taken before the engine) are the user's and are kept;
+    without a footprint only what is recognisably DeepSpeed's goes. Tensor values are not touched here.
     """
-    params, buffers = _named_tensors(module)
+    params, _ = _named_tensors(module)
     for sub in module.modules():
         _restore_parameter_dict(sub)
         before = footprint.module_attrs.get(id(sub)) if footprint else None
@@ -307,7 +306,7 @@ def strip_deepspeed_state(
                 delattr(sub, key)
         _remove_hooks(sub, _HOOK_TABLES, footprint.module_hooks.get(id(sub)) if footprint else None)
     done: set[int] = set()
-    for name, param in params.items():
+    for param in params.values():
         if id(param) in done:
             continue
         done.add(id(param))
@@ -316,12 +315,6 @@ def strip_deepspeed_state(
             if (before is not None and key not in before) or key.startswith("ds_") or key in _PARAM_LINKS:
                 delattr(param, key)
         _remove_hooks(param, _TENSOR_HOOK_TABLES, footprint.param_hooks.get(id(param)) if footprint else None)
-        if values is not None and name in values:
-            param.data = values[name]
-    if values is not None:
-        for name, buf in buffers.items():
-            if name in values:
-                buf.data = values[name]
 
 
 # nn.Module's own bookkeeping attributes, never to be deleted even when a footprint is missing.

@@ -19,6 +19,7 @@ from torch import nn
 
 from . import _dist, _zero
 from .errors import StaleDeepSpeedStateError
+from .restore import assign_values
 from .store import load_state_dict, save_state_dict
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
@@ -43,6 +44,7 @@ class BoundaryReport:
     uri: str
     seconds: float = 0.0  # leaving the stage: consolidate, publish, destroy, restore
     enter_seconds: float = 0.0  # entering it: clean check, and the first handoff when one was needed
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step of leaving
     wrote: bool = False
     handoff_bytes: int = 0
     stale_problems: list[str] = field(default_factory=list)
@@ -92,6 +94,19 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.numel() == 0:
         return True
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+class _PhaseClock:
+    """Records the seconds since the previous mark under each phase name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into = into
+        self.last = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = now - self.last
+        self.last = now
 
 
 class StageBoundary:
@@ -149,22 +164,27 @@ class StageBoundary:
     def exit(self, engine: Any | None, *, trained: bool, metadata: Mapping[str, Any]) -> BoundaryReport:
         """Consolidate, publish, destroy and restore; every rank must call this."""
         start = time.perf_counter()
+        mark = _PhaseClock(self.report.phases)
         record = _RECORDS[self.module]
         values: dict[str, torch.Tensor] | None = None
         if engine is not None and trained:
             values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
         elif self._loaded is not None:
             values = {n: v.detach().to("cpu", record.original[n][0]) for n, v in self._loaded.items() if n in record.original}
+        mark("consolidate")
         if engine is not None:
             _zero.destroy_engine(engine)
-        _zero.strip_deepspeed_state(self.module, self._footprint, None)
+        _zero.strip_deepspeed_state(self.module, self._footprint)
+        mark("destroy")
         if values is not None:
             manifest = _dist.on_rank_zero(lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff")
             self.report.wrote = True
             record.handoff_bytes = int(manifest["total_size"]) if manifest else record.handoff_bytes
         else:
             values = self._unchanged_values(record)
+        mark("publish")
         self._restore(values, record)
+        mark("restore")
         self.report.handoff_bytes = record.handoff_bytes
         self.report.stale_problems = _zero.find_stale_state(self.module)
         self.report.seconds = time.perf_counter() - start
@@ -212,6 +232,6 @@ class StageBoundary:
         for name, value in values.items():
             dtype, device = record.original.get(name, (value.dtype, value.device))
             placed[name] = value.to(device=device, dtype=dtype)
-        _zero.strip_deepspeed_state(self.module, None, placed)
+        assign_values(self.module, placed)
         record.target = self.target
         record.fingerprint = _fingerprint(_state_tensors(self.module))

@@ -14,7 +14,7 @@ from . import _zero
 from .errors import StateDictMismatchError
 from .store import load_state_dict
 
-__all__ = ["restore", "check_fits"]
+__all__ = ["restore", "check_fits", "assign_values"]
 
 
 def _expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -52,6 +52,32 @@ def check_fits(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
         )
 
 
+def assign_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
+    """Make ``values`` (state-dict name -> tensor) the module's parameters and buffers, without copying.
+
+    Parameter objects keep their identity (tied weights stay tied, user references stay valid), except on the
+    meta device, where a tensor cannot take real storage: there each parameter is replaced everywhere it is
+    registered, keeping ``requires_grad``.
+    """
+    replaced: dict[int, torch.Tensor] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for table in (sub._parameters, sub._buffers):
+            for local_name, current in list(table.items()):
+                name = f"{prefix}.{local_name}" if prefix else local_name
+                if current is None or name not in values:
+                    continue
+                if id(current) in replaced:
+                    table[local_name] = replaced[id(current)]
+                elif current.device.type == "meta" and values[name].device.type != "meta":
+                    new = values[name]
+                    if isinstance(current, nn.Parameter):
+                        new = nn.Parameter(new, requires_grad=current.requires_grad)
+                    replaced[id(current)] = table[local_name] = new
+                else:
+                    current.data = values[name]
+                    replaced[id(current)] = current
+
+
 def restore(
     module: nn.Module, uri: str, *, storage_options: Mapping[str, Any] | None = None, device: Any = None
 ) -> nn.Module:
@@ -72,5 +98,6 @@ def restore(
         where = device if device is not None else ("cpu" if target.device.type == "meta" else target.device)
         dtype = target.dtype if target.numel() or not hasattr(target, "ds_shape") else value.dtype
         placed[name] = value.to(device=where, dtype=dtype)
-    _zero.strip_deepspeed_state(module, None, placed)
+    _zero.strip_deepspeed_state(module, None)
+    assign_values(module, placed)
     return module

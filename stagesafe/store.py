@@ -20,7 +20,7 @@ import platform
 import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import fsspec
@@ -181,7 +181,7 @@ def commit(
         total_size=plan.total_size,
         metadata=metadata,
         versions=_versions(),
-        created=datetime.now(UTC).isoformat(timespec="milliseconds"),
+        created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
     )
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
     index = build_index(plan.weight_map, plan.total_size)
