@@ -2,7 +2,18 @@
 
 One format everywhere: Hugging Face-style safetensors shards, ``model.safetensors.index.json`` and a
 manifest (``stagesafe.json``) with the sha256 of every shard, on any fsspec URL.
+
+Imports are lazy (PEP 562) so that the ``stagesafe`` command line does not pay for Lightning and DeepSpeed.
+When Lightning is already imported, the strategy is imported at once, which registers the strategy names
+(``Trainer(strategy="stagesafe_deepspeed_stage_3")``); otherwise the first use of
+``stagesafe.StageSafeDeepSpeedStrategy`` (or ``import stagesafe.strategy``) registers them.
 """
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Any
 
 from .errors import (
     CheckpointFormatError,
@@ -10,29 +21,35 @@ from .errors import (
     HandoffCorruptError,
     HandoffExistsError,
     HandoffNotFoundError,
+    InvalidArgumentError,
     StageSafeError,
     StaleDeepSpeedStateError,
     StateDictMismatchError,
     StorageBackendError,
     UnsafeCheckpointError,
 )
-from .restore import restore
-from .store import load_state_dict, read_manifest, save_state_dict, verify
-from .strategy import StageSafeDeepSpeedStrategy
 
 __version__ = "0.1.0"
 
+_LAZY = {
+    "StageSafeDeepSpeedStrategy": "stagesafe.strategy",
+    "save_state_dict": "stagesafe.store",
+    "load_state_dict": "stagesafe.store",
+    "read_manifest": "stagesafe.store",
+    "verify": "stagesafe.store",
+    "restore": "stagesafe.restore",
+    "consolidate": "stagesafe.consolidate",
+    "load_zero_checkpoint": "stagesafe.consolidate",
+    "inspect_checkpoint": "stagesafe.consolidate",
+}
+
 __all__ = [
-    "StageSafeDeepSpeedStrategy",
-    "save_state_dict",
-    "load_state_dict",
-    "read_manifest",
-    "verify",
-    "restore",
+    *_LAZY,
     "StageSafeError",
     "HandoffNotFoundError",
     "HandoffCorruptError",
     "HandoffExistsError",
+    "InvalidArgumentError",
     "StateDictMismatchError",
     "StaleDeepSpeedStateError",
     "CheckpointFormatError",
@@ -41,3 +58,20 @@ __all__ = [
     "DistributedStageError",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stagesafe' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
+if "lightning.pytorch" in sys.modules:  # the user works with Lightning: register the strategy names now
+    importlib.import_module("stagesafe.strategy")

@@ -20,10 +20,22 @@ from fsspec.registry import known_implementations, registry
 from stagesafe._planning import temp_name
 from stagesafe.errors import InvalidArgumentError, StorageBackendError
 
-__all__ = ["basename", "fsync_dir", "is_local", "join", "list_files", "resolve", "url_of", "write_atomic"]
+__all__ = [
+    "basename",
+    "bucket_of",
+    "fsync_dir",
+    "is_local",
+    "join",
+    "list_files",
+    "resolve",
+    "url_of",
+    "write_atomic",
+]
 
 # fsspec backend package -> the stagesafe extra that installs it.
 _EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "adlfs": "azure"}
+# Protocols whose paths start with a bucket (or container) name.
+_BUCKET_PROTOCOLS = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "oss", "oci"})
 
 
 def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
@@ -83,6 +95,14 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return isinstance(fs, LocalFileSystem)
 
 
+def bucket_of(fs: fsspec.AbstractFileSystem, path: str) -> str | None:
+    """The bucket (or container) ``path`` lies in on an object store, ``None`` on other filesystems."""
+    protocols = {fs.protocol} if isinstance(fs.protocol, str) else set(fs.protocol)
+    if protocols.isdisjoint(_BUCKET_PROTOCOLS):
+        return None
+    return path.lstrip("/").split("/", 1)[0] or None
+
+
 def list_files(fs: fsspec.AbstractFileSystem, root: str, *, kind: str = "file") -> list[str]:
     """Names of the files (or, with ``kind="directory"``, folders) directly under ``root``; none if it does not
     exist. Bypasses fsspec's listing cache, which another writer may have made stale."""
@@ -98,7 +118,8 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
     """Publish ``data`` at ``path`` so that no reader ever sees a partial file under that name.
 
     Locally: write a temporary sibling, fsync, ``os.replace``. Object stores and ``memory://`` publish an
-    object in one PUT, which is atomic already, and have no cheap rename.
+    object in one PUT (s3fs: a multipart upload above 100 MiB, completed in one request or aborted), which is
+    atomic already, and have no cheap rename.
     """
     if not is_local(fs):
         fs.pipe_file(path, data)

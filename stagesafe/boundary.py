@@ -8,7 +8,9 @@ plain tensors in the dtype and device it had before its first stage.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -19,7 +21,7 @@ from torch import nn
 
 from . import _dist, _zero
 from .errors import StaleDeepSpeedStateError
-from .restore import assign_values
+from .restore import assign_values, restore
 from .store import load_state_dict, save_state_dict
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
@@ -62,6 +64,7 @@ class _ModuleRecord:
     target: HandoffTarget | None = None
     fingerprint: dict[str, tuple[int, int]] | None = None
     handoff_bytes: int = 0
+    pending: "concurrent.futures.Future[dict] | None" = None  # a publish still running in the background
 
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, _ModuleRecord]" = weakref.WeakKeyDictionary()
@@ -96,6 +99,36 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _start_in_background(publish: Any) -> "concurrent.futures.Future[dict] | None":
+    """Run ``publish`` on rank 0 in a daemon thread; other ranks hold no future (they learn the outcome later)."""
+    if _dist.rank() != 0:
+        return concurrent.futures.Future()
+    future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            future.set_result(publish())
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, never swallowed
+            future.set_exception(exc)
+
+    threading.Thread(target=run, name="stagesafe-publish", daemon=True).start()
+    return future
+
+
+def _wait_pending(record: _ModuleRecord) -> None:
+    """Join a background publish; a failure on rank 0 is raised on every rank."""
+    pending, record.pending = record.pending, None
+    if pending is None:
+        return
+    try:
+        manifest = _dist.on_rank_zero(pending.result, "writing the handoff (in the background)")
+    except BaseException:
+        record.fingerprint = None  # the handoff does not hold the module's weights: the next stage rewrites it
+        raise
+    if manifest:  # rank 0, which reports sizes
+        record.handoff_bytes = int(manifest["total_size"])
+
+
 class _PhaseClock:
     """Records the seconds since the previous mark under each phase name."""
 
@@ -123,12 +156,25 @@ class StageBoundary:
         self.report = BoundaryReport(stage=stage, uri=target.uri)
 
     # -- entering -------------------------------------------------------------------------------------------
-    def enter(self, metadata: Mapping[str, Any]) -> None:
-        """Check the module is clean and make sure the handoff holds its current weights."""
+    def enter(self, metadata: Mapping[str, Any], *, resume_from: HandoffTarget | None = None) -> None:
+        """Check the module is clean and make sure the handoff holds its current weights.
+
+        ``resume_from``: a handoff (perhaps written by another job, at another world size) whose weights the
+        module takes before its first stage under stagesafe; ignored for a module that has been through one.
+        """
         start = time.perf_counter()
         assert_clean(self.module)
-        tensors = _state_tensors(self.module)
         record = _RECORDS.get(self.module)
+        if record is not None:
+            _wait_pending(record)
+        elif resume_from is not None:
+            source = resume_from
+            _dist.all_ranks(
+                lambda: restore(self.module, source.uri, storage_options=source.storage_options),
+                f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
+                "not visible from other nodes; use shared storage or an object store)",
+            )
+        tensors = _state_tensors(self.module)
         if record is None:
             record = _ModuleRecord(original={n: (t.dtype, t.device) for n, t in tensors.items()})
             _RECORDS[self.module] = record
@@ -161,35 +207,68 @@ class StageBoundary:
         self._loaded = dict(values)
 
     # -- leaving ----------------------------------------------------------------------------------------------
-    def exit(self, engine: Any | None, *, trained: bool, metadata: Mapping[str, Any]) -> BoundaryReport:
-        """Consolidate, publish, destroy and restore; every rank must call this."""
+    def exit(
+        self, engine: Any | None, *, trained: bool, metadata: Mapping[str, Any], background: bool = False
+    ) -> BoundaryReport:
+        """Consolidate, publish, destroy and restore; every rank must call this.
+
+        ``background``: publish in a thread so that destroy and restore overlap the upload; the caller must
+        then call :meth:`wait_published` (on every rank) before it reports the stage as done.
+        """
         start = time.perf_counter()
         mark = _PhaseClock(self.report.phases)
         record = _RECORDS[self.module]
+        failure: BaseException | None = None  # raised at the end, once the module is clean again
         values: dict[str, torch.Tensor] | None = None
-        if engine is not None and trained:
-            values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
-        elif self._loaded is not None:
-            values = {n: v.detach().to("cpu", record.original[n][0]) for n, v in self._loaded.items() if n in record.original}
+        try:
+            if engine is not None and trained:
+                values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
+            elif self._loaded is not None:
+                values = {n: v.detach().to("cpu", record.original[n][0]) for n, v in self._loaded.items() if n in record.original}
+        except BaseException as exc:  # noqa: BLE001 - the module falls back to the last handoff, then we raise
+            failure, values = exc, None
         mark("consolidate")
         if engine is not None:
             _zero.destroy_engine(engine)
         _zero.strip_deepspeed_state(self.module, self._footprint)
         mark("destroy")
+        published = True
         if values is not None:
-            manifest = _dist.on_rank_zero(lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff")
             self.report.wrote = True
-            record.handoff_bytes = int(manifest["total_size"]) if manifest else record.handoff_bytes
+            publish_values, publish_meta = values, {**metadata, "stage": self.stage}
+            if background:
+                record.pending = _start_in_background(lambda: self._publish(publish_values, publish_meta))
+            else:
+                try:
+                    manifest = _dist.on_rank_zero(lambda: self._publish(publish_values, publish_meta), "writing the handoff")
+                    record.handoff_bytes = int(manifest["total_size"]) if manifest else record.handoff_bytes
+                except BaseException as exc:  # noqa: BLE001 - the module still gets the new weights; then we raise
+                    failure, published = failure or exc, False
         else:
             values = self._unchanged_values(record)
         mark("publish")
         self._restore(values, record)
+        if not published:
+            record.fingerprint = None  # the handoff does not hold these weights: the next stage rewrites it
         mark("restore")
         self.report.handoff_bytes = record.handoff_bytes
         self.report.stale_problems = _zero.find_stale_state(self.module)
         self.report.seconds = time.perf_counter() - start
         self._entry = self._loaded = None
+        if failure is not None:
+            raise failure
         return self.report
+
+    def wait_published(self) -> float:
+        """Block until a background publish is committed; raise its failure on every rank. Returns seconds waited."""
+        start = time.perf_counter()
+        record = _RECORDS.get(self.module)
+        if record is not None:
+            _wait_pending(record)
+        waited = time.perf_counter() - start
+        self.report.phases["publish_wait"] = waited
+        self.report.handoff_bytes = record.handoff_bytes if record is not None else self.report.handoff_bytes
+        return waited
 
     def _consolidate(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
         """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged."""

@@ -17,6 +17,7 @@ __all__ = [
     "CheckpointFormatError",
     "UnsafeCheckpointError",
     "StorageBackendError",
+    "StorageTransferError",
     "DistributedStageError",
 ]
 
@@ -63,6 +64,12 @@ class UnsafeCheckpointError(StageSafeError, ValueError):
 
 class StorageBackendError(StageSafeError, ImportError):
     """An fsspec protocol is unknown or its backend package is not installed."""
+
+
+class StorageTransferError(StageSafeError, OSError):
+    """Reading or writing the store failed: transient errors (connection, timeout, throttling, 5xx) outlasted
+    the retries, or the store refused the request (no such bucket, access denied). The message names the file
+    and the URL; the storage client's own error is the ``__cause__``."""
 
 
 class DistributedStageError(StageSafeError, RuntimeError):

@@ -7,10 +7,17 @@ write their own shards and one rank commits; :func:`save_state_dict` composes th
 Commit protocol: shards are written under names the committed handoff does not use, then the index, then the
 manifest ``stagesafe.json``, whose presence and content define the handoff; only after it, the previous
 generation's files are deleted. A reader sees the old handoff or the new one, never a mix.
+
+Transfers go straight to the store. Shards are written and read ``workers`` at a time (default: 4 on object
+stores and other remote filesystems, 1 on a local disk), so about ``workers`` shards are in memory at once
+besides the state dict itself. Every storage operation is retried on transient errors (:mod:`stagesafe._retry`);
+after the last try, or on a refusal such as a missing bucket or denied access, a ``StorageTransferError`` names
+the file and the URL.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import functools
 import hashlib
 import importlib.metadata
@@ -18,17 +25,18 @@ import json
 import logging
 import platform
 import sys
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, TypeVar
 
 import fsspec
 import safetensors
 import safetensors.torch
 import torch
 
-from stagesafe._fs import basename, fsync_dir, join, list_files, resolve, url_of, write_atomic
+from stagesafe._fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
 from stagesafe._planning import (
     INDEX_NAME,
     MANIFEST_NAME,
@@ -44,10 +52,18 @@ from stagesafe._planning import (
     shard_names,
     validate_manifest,
 )
-from stagesafe.errors import HandoffCorruptError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
+from stagesafe._retry import RetryPolicy, TransferAbandoned, call_with_retries
+from stagesafe.errors import (
+    HandoffCorruptError,
+    HandoffExistsError,
+    HandoffNotFoundError,
+    InvalidArgumentError,
+    StorageTransferError,
+)
 
 __all__ = [
     "HandoffPlan",
+    "RetryPolicy",
     "ShardRecord",
     "commit",
     "live_files",
@@ -64,6 +80,9 @@ log = logging.getLogger(__name__)
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
 _CHUNK = 16 * 1024 * 1024  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+_REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem; 1 on a local disk
+_UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -135,20 +154,46 @@ def plan_handoff(
 
 
 def write_shard(
-    fs: fsspec.AbstractFileSystem, root: str, file_name: str, tensors: Mapping[str, torch.Tensor]
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    file_name: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    retry: RetryPolicy | None = None,
 ) -> ShardRecord:
     """Write one shard file under ``root``, atomically, and return its hash and size for the manifest.
 
     Holds one shard's bytes in memory at a time. Tensors are moved to the CPU and made contiguous; tensors whose
-    bytes overlap (views of one another) are written as independent copies, which safetensors requires.
+    bytes overlap (views of one another) are written as independent copies, which safetensors requires. The
+    write (one PUT or multipart upload on an object store) is tried again on transient errors as ``retry`` says.
     """
+    return _write_shard(fs, root, file_name, tensors, retry=_check_retry(retry), stop=None)
+
+
+def _write_shard(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    file_name: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    retry: RetryPolicy,
+    stop: threading.Event | None,
+) -> ShardRecord:
     if not is_shard_name(file_name):
         raise InvalidArgumentError(
             f"file_name={file_name!r} is not a shard name of the format; take it from a HandoffPlan"
         )
     data = safetensors.torch.save(_prepare(tensors), metadata={"format": "pt"})  # "pt": transformers insists
     record = ShardRecord(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-    write_atomic(fs, join(root, file_name), data)
+    path = join(root, file_name)
+    _transfer(
+        lambda: write_atomic(fs, path, data),
+        what=f"write shard {file_name!r} to {url_of(fs, root)!r}",
+        retry=retry,
+        stop=stop,
+        hint=_UNCHANGED,
+        writing=True,
+    )
     return record
 
 
@@ -159,12 +204,15 @@ def commit(
     shard_records: Mapping[str, ShardRecord],
     *,
     metadata: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
     """Publish a handoff whose shards are all written: index, then manifest, then delete what is stale.
 
     Stale: shard files the new manifest does not use (the previous generation, or an interrupted writer's) and
-    temporary files of killed writers. Returns the manifest.
+    temporary files of killed writers. Returns the manifest. If writing the index or the manifest fails, the
+    new shards stay where they are (the manifest may have reached the store); the next save deletes them.
     """
+    retry = _check_retry(retry)
     url = url_of(fs, root)
     unwritten = [f for f in plan.shards if f not in shard_records]
     unplanned = [f for f in shard_records if f not in plan.shards]
@@ -184,25 +232,44 @@ def commit(
         created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
     )
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
-    index = build_index(plan.weight_map, plan.total_size)
-    write_atomic(fs, join(root, INDEX_NAME), (json.dumps(index, indent=2, sort_keys=True) + "\n").encode())
-    write_atomic(fs, join(root, MANIFEST_NAME), (json.dumps(manifest, indent=2) + "\n").encode())
+    index = (json.dumps(build_index(plan.weight_map, plan.total_size), indent=2, sort_keys=True) + "\n").encode()
+    _transfer(
+        lambda: write_atomic(fs, join(root, INDEX_NAME), index),
+        what=f"write {INDEX_NAME} to {url!r}",
+        retry=retry,
+        hint=_UNCHANGED,
+        writing=True,
+    )
+    text = (json.dumps(manifest, indent=2) + "\n").encode()
+    _transfer(
+        lambda: write_atomic(fs, join(root, MANIFEST_NAME), text),
+        what=f"commit {url!r} (write {MANIFEST_NAME})",
+        retry=retry,
+        hint="; the handoff there is the previous one or, if the last try reached the store, the new one: "
+        "read_manifest says which",
+        writing=True,
+    )
     fsync_dir(fs, root)
     _remove_stale(fs, root, keep=set(manifest["shards"]))
     return manifest
 
 
-def live_files(fs: fsspec.AbstractFileSystem, root: str) -> set[str]:
+def live_files(fs: fsspec.AbstractFileSystem, root: str, *, retry: RetryPolicy | None = None) -> set[str]:
     """Files the committed handoff at ``root`` uses, which a new handoff must not overwrite.
 
     If the manifest cannot be read, every file present counts as live: better a tagged name than a clobbered file.
     """
+    retry = _check_retry(retry)
+    url = url_of(fs, root)
     try:
-        return set(_read_manifest(fs, root)["shards"])
+        manifest = _transfer(
+            lambda: _read_manifest(fs, root, explain=False), what=f"read {url}/{MANIFEST_NAME}", retry=retry
+        )
+        return set(manifest["shards"])
     except HandoffNotFoundError:
         return set()
     except HandoffCorruptError:
-        return set(list_files(fs, root))
+        return set(_transfer(lambda: list_files(fs, root), what=f"list {url!r}", retry=retry))
 
 
 def save_state_dict(
@@ -213,37 +280,41 @@ def save_state_dict(
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = True,
+    workers: int | None = None,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
     """Save ``state_dict`` as a handoff at ``uri``, replacing the one there atomically; return the manifest.
 
     ``metadata`` (JSON values) is stored in the manifest. With ``overwrite=False`` an existing handoff is an error.
+    ``workers`` shards are built and uploaded at a time (default: 4 on a remote filesystem, 1 on a local disk),
+    so about that many shards' bytes are in memory at once. Every storage operation is tried again on transient
+    errors as ``retry`` says (default :class:`RetryPolicy`); if one still fails, ``StorageTransferError`` names
+    it, the shards this call wrote are deleted and the handoff committed before is unchanged.
     """
     fs, root = resolve(uri, storage_options)
     metadata = check_metadata(metadata)  # before anything is written
+    workers = _check_workers(workers, fs)
+    retry = _check_retry(retry)
     if not overwrite:
-        present = [n for n in list_files(fs, root) if n in (MANIFEST_NAME, INDEX_NAME) or is_shard_name(n)]
+        names = _transfer(lambda: list_files(fs, root), what=f"list {url_of(fs, root)!r}", retry=retry)
+        present = [n for n in names if n in (MANIFEST_NAME, INDEX_NAME) or is_shard_name(n)]
         if present:
             what = "a handoff" if MANIFEST_NAME in present else f"model files {sorted(present)[:3]}"
             raise HandoffExistsError(
                 f"{url_of(fs, root)!r} already holds {what}; pass overwrite=True (CLI: --overwrite) to replace it, "
                 "or choose another folder"
             )
-    plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root))
-    records: dict[str, ShardRecord] = {}
-    try:
-        for file_name in plan.shards:
-            records[file_name] = write_shard(fs, root, file_name, plan.shard_tensors(file_name))
-    except BaseException:
-        for file_name in records:  # never a live file: the plan's names avoid those
-            _remove(fs, join(root, file_name))
-        raise
-    return commit(fs, root, plan, records, metadata=metadata)
+    plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
+    records = _write_shards(fs, root, plan, workers=workers, retry=retry)
+    return commit(fs, root, plan, records, metadata=metadata, retry=retry)
 
 
-def read_manifest(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def read_manifest(
+    uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> dict[str, Any]:
     """The manifest of the committed handoff at ``uri`` (validated, shards not checked)."""
     fs, root = resolve(uri, storage_options)
-    return _read_manifest(fs, root)
+    return _fetch_manifest(fs, root, _check_retry(retry))
 
 
 def load_state_dict(
@@ -251,45 +322,64 @@ def load_state_dict(
     *,
     storage_options: dict[str, Any] | None = None,
     device: str | torch.device = "cpu",
+    workers: int | None = None,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load the committed handoff at ``uri``, every shard checked against the manifest before it is parsed.
 
-    Reads one shard at a time. Tied names come back as the same tensor object, in the order they were saved.
+    Downloads ``workers`` shards at a time (default: 4 on a remote filesystem, 1 on a local disk), each tried
+    again on transient errors as ``retry`` says; besides the result, about ``workers`` shards' bytes are in
+    memory at once. Tied names come back as the same tensor object, in the order they were saved.
     """
     fs, root = resolve(uri, storage_options)
-    manifest = _read_manifest(fs, root)
+    workers = _check_workers(workers, fs)
+    retry = _check_retry(retry)
+    device = torch.device(device)
+    manifest = _fetch_manifest(fs, root, retry)
     for _ in range(3):
         try:
-            return _load(fs, root, manifest, torch.device(device))
-        except _ShardVanished as exc:
-            # A writer may have committed a new handoff and deleted this one's shards while we read: start over
-            # from the new manifest. If the manifest is unchanged, the shard is really missing.
-            newer = _read_manifest(fs, root)
+            return _load(fs, root, manifest, device, workers=workers, retry=retry)
+        except (_ShardVanished, HandoffCorruptError) as exc:
+            # A writer may have committed a new handoff and deleted or reused this one's shard names while we
+            # read: start over from the new manifest. If the manifest is unchanged, the shard is really lost.
+            newer = _fetch_manifest(fs, root, retry)
             if newer == manifest:
-                raise HandoffCorruptError(str(exc)) from None
+                if isinstance(exc, _ShardVanished):
+                    raise HandoffCorruptError(str(exc)) from None
+                raise
             manifest = newer
     raise HandoffCorruptError(f"{url_of(fs, root)!r} was replaced three times while being read; load it again later")
 
 
-def verify(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+def verify(
+    uri: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    workers: int | None = None,
+    retry: RetryPolicy | None = None,
+) -> dict[str, Any]:
     """Re-hash every shard of the handoff at ``uri`` against its manifest, check their contents and the index.
 
-    Streams each shard, so memory stays bounded. Raises ``HandoffCorruptError`` naming the shard and what
-    differs; returns the manifest.
+    Streams each shard, ``workers`` at a time (default: 4 on a remote filesystem, 1 on a local disk), so memory
+    stays bounded. Raises ``HandoffCorruptError`` naming the shard and what differs; returns the manifest.
     """
     fs, root = resolve(uri, storage_options)
+    workers = _check_workers(workers, fs)
+    retry = _check_retry(retry)
     fs.invalidate_cache(root)  # sizes must come from the store, not from a listing cached before a write
     url = url_of(fs, root)
-    manifest = _read_manifest(fs, root)
+    manifest = _fetch_manifest(fs, root, retry)
     by_shard = shard_names(manifest["weight_map"], list(manifest["shards"]))
-    for file_name, rec in manifest["shards"].items():
-        path = join(root, file_name)
+
+    def check(file_name: str, stop: threading.Event) -> None:
+        rec, path = manifest["shards"][file_name], join(root, file_name)
+        what = f"read shard {file_name!r} of {url!r}"
         try:
-            size = fs.size(path)
+            size = _transfer(lambda: fs.size(path), what=what, retry=retry, stop=stop)
+            _check_bytes(url, file_name, rec, size, None)
+            digest, header = _transfer(lambda: _hash_file(fs, path, size), what=what, retry=retry, stop=stop)
         except FileNotFoundError:
             raise HandoffCorruptError(_missing_message(url, file_name)) from None
-        _check_bytes(url, file_name, rec, size, None)
-        digest, header = _hash_file(fs, path, size)
         _check_bytes(url, file_name, rec, size, digest)
         try:
             entries = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
@@ -299,7 +389,9 @@ def verify(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
                 f"{url!r}: shard {file_name!r} has an unreadable safetensors header ({exc})"
             ) from None
         _check_contents(url, file_name, by_shard[file_name], found, manifest["tensors"])
-    _check_index(fs, root, manifest)
+
+    _each(list(manifest["shards"]), check, workers)
+    _check_index(fs, root, manifest, retry)
     return manifest
 
 
@@ -308,6 +400,101 @@ def verify(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[s
 
 class _ShardVanished(Exception):
     """A shard named by the manifest is not there (replaced by a newer handoff, or lost)."""
+
+
+def _check_workers(workers: Any, fs: fsspec.AbstractFileSystem) -> int:
+    if workers is None:
+        return 1 if is_local(fs) else _REMOTE_WORKERS
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"workers={workers!r} must be a positive int: the shards transferred at once")
+    return workers
+
+
+def _check_retry(retry: Any) -> RetryPolicy:
+    if retry is None:
+        return RetryPolicy()
+    if not isinstance(retry, RetryPolicy):
+        raise InvalidArgumentError(
+            f"retry={retry!r} must be a stagesafe.store.RetryPolicy, e.g. RetryPolicy(attempts=8, initial_delay=2)"
+        )
+    return retry
+
+
+def _transfer(
+    fn: Callable[[], T],
+    *,
+    what: str,
+    retry: RetryPolicy,
+    stop: threading.Event | None = None,
+    hint: str = "",
+    writing: bool = False,
+) -> T:
+    """``fn()``, a storage operation, tried again on transient errors; a refusal by the store named as ``what``.
+
+    ``FileNotFoundError`` propagates from reads (callers know what a missing file means there); from a write it
+    means the bucket is missing.
+    """
+    try:
+        return call_with_retries(fn, policy=retry, what=what, hint=hint, stop=stop)
+    except PermissionError as exc:
+        raise StorageTransferError(
+            f"could not {what}: access denied ({exc}); check the credentials in storage_options (key/secret, "
+            f"profile, token) and that they may {'write' if writing else 'read'} there{hint}"
+        ) from exc
+    except FileNotFoundError as exc:
+        if not writing:
+            raise
+        raise StorageTransferError(
+            f"could not {what}: the bucket or folder it goes into does not exist ({exc}); create it first, or "
+            f"correct the URL{hint}"
+        ) from exc
+
+
+def _each(items: Sequence[str], fn: Callable[[str, threading.Event], T], workers: int) -> dict[str, T]:
+    """``fn(item, stop)`` for every item, ``workers`` at a time; return the results in the items' order.
+
+    Only ``workers`` calls run at once, so memory is bounded by what each one holds. The first failure sets
+    ``stop`` (so that the others stop retrying) and cancels the calls not started; once the running ones are done,
+    the failure of the earliest item is raised, as a loop over the items would have raised it.
+    """
+    stop = threading.Event()
+    if workers == 1 or len(items) <= 1:
+        return {item: fn(item, stop) for item in items}
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="stagesafe")
+    try:
+        futures = [pool.submit(fn, item, stop) for item in items]
+        for future in concurrent.futures.as_completed(futures):
+            if future.exception() is not None:
+                break
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+    failures = [f.exception() for f in futures if not f.cancelled() and f.exception() is not None]
+    if failures:  # the items start in order, so every item before a failed one has run
+        raise next((e for e in failures if not isinstance(e, TransferAbandoned)), failures[0])
+    return {item: future.result() for item, future in zip(items, futures)}
+
+
+def _write_shards(
+    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, *, workers: int, retry: RetryPolicy
+) -> dict[str, ShardRecord]:
+    """Write every shard of ``plan``, ``workers`` at a time; if one fails, delete those written and raise."""
+    lock = threading.Lock()
+    written: dict[str, ShardRecord] = {}
+
+    def one(file_name: str, stop: threading.Event) -> None:
+        record = _write_shard(fs, root, file_name, plan.shard_tensors(file_name), retry=retry, stop=stop)
+        with lock:
+            written[file_name] = record
+
+    try:
+        _each(list(plan.shards), one, workers)
+    except BaseException:
+        # Never a live file: the plan's names avoid the committed handoff's. One try each: if the store is
+        # down, the next save deletes them.
+        _each(list(written), lambda name, _: _remove(fs, join(root, name)), workers)
+        raise
+    return {file_name: written[file_name] for file_name in plan.shards}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -387,12 +574,19 @@ def _versions() -> dict[str, str | None]:
     return versions
 
 
-def _read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
+def _fetch_manifest(fs: fsspec.AbstractFileSystem, root: str, retry: RetryPolicy) -> dict[str, Any]:
+    """The committed manifest, read with retries."""
+    return _transfer(lambda: _read_manifest(fs, root), what=f"read {url_of(fs, root)}/{MANIFEST_NAME}", retry=retry)
+
+
+def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, *, explain: bool = True) -> dict[str, Any]:
+    """The committed manifest (one try). ``explain=False``: skip looking around for a helpful not-found message."""
     url = url_of(fs, root)
     try:
         raw = fs.cat_file(join(root, MANIFEST_NAME))
     except (FileNotFoundError, NotADirectoryError):
-        raise HandoffNotFoundError(_not_found_message(fs, root)) from None
+        message = _not_found_message(fs, root) if explain else f"no handoff at {url!r}"
+        raise HandoffNotFoundError(message) from None
     try:
         manifest = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -404,6 +598,17 @@ def _read_manifest(fs: fsspec.AbstractFileSystem, root: str) -> dict[str, Any]:
 
 def _not_found_message(fs: fsspec.AbstractFileSystem, root: str) -> str:
     url = url_of(fs, root)
+    bucket = bucket_of(fs, root)
+    if bucket is not None:
+        try:
+            missing = not fs.exists(bucket)
+        except Exception:  # noqa: BLE001 - only a hint; the not-found error below says enough
+            missing = False
+        if missing:
+            return (
+                f"no handoff at {url!r}: the bucket {bucket!r} does not exist (or these credentials cannot see "
+                "it); check the URL and the storage_options"
+            )
     parent = root.rstrip("/").rsplit("/", 1)[0]
     if fs.isfile(root):
         return f"no handoff at {url!r}: that is a file; pass the folder that holds it, {url_of(fs, parent)!r}"
@@ -467,11 +672,11 @@ def _check_contents(
             )
 
 
-def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str, Any]) -> None:
+def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str, Any], retry: RetryPolicy) -> None:
     """Hugging Face loaders read the index, not the manifest: it must say the same."""
     where = f"{url_of(fs, root)}/{INDEX_NAME}"
     try:
-        index = json.loads(fs.cat_file(join(root, INDEX_NAME)))
+        index = json.loads(_transfer(lambda: fs.cat_file(join(root, INDEX_NAME)), what=f"read {where}", retry=retry))
         weight_map, total_size = index["weight_map"], index["metadata"]["total_size"]
     except FileNotFoundError:
         raise HandoffCorruptError(
@@ -508,14 +713,23 @@ def _hash_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[str
 
 
 def _load(
-    fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str, Any], device: torch.device
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    manifest: Mapping[str, Any],
+    device: torch.device,
+    *,
+    workers: int,
+    retry: RetryPolicy,
 ) -> dict[str, torch.Tensor]:
     url = url_of(fs, root)
     by_shard = shard_names(manifest["weight_map"], list(manifest["shards"]))
-    stored: dict[str, torch.Tensor] = {}
-    for file_name, rec in manifest["shards"].items():
+
+    def one(file_name: str, stop: threading.Event) -> dict[str, torch.Tensor]:
+        rec, path = manifest["shards"][file_name], join(root, file_name)
         try:
-            data = fs.cat_file(join(root, file_name))
+            data = _transfer(
+                lambda: fs.cat_file(path), what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop
+            )
         except FileNotFoundError:
             raise _ShardVanished(_missing_message(url, file_name)) from None
         _check_bytes(url, file_name, rec, len(data), hashlib.sha256(data).hexdigest())
@@ -526,14 +740,23 @@ def _load(
         del data
         found = {name: (_dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()}
         _check_contents(url, file_name, by_shard[file_name], found, manifest["tensors"])
-        for name, tensor in tensors.items():
-            stored[name] = tensor if device.type == "cpu" else tensor.to(device)
+        return {name: tensor if device.type == "cpu" else tensor.to(device) for name, tensor in tensors.items()}
+
+    stored: dict[str, torch.Tensor] = {}
+    for tensors in _each(list(manifest["shards"]), one, workers).values():
+        stored.update(tensors)
     aliases = manifest["aliases"]
     return {name: stored[aliases.get(name, name)] for name in manifest["tensors"]}
 
 
 def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, *, keep: set[str]) -> None:
-    for name in list_files(fs, root):
+    """Best effort, after the commit: a failure here must not fail the save that just succeeded."""
+    try:
+        names = list_files(fs, root)
+    except Exception as exc:  # noqa: BLE001 - any storage client's error
+        log.warning("stagesafe: could not list %s to delete stale files (%s); the next save retries", root, exc)
+        return
+    for name in names:
         if (is_shard_name(name) and name not in keep) or is_temp_name(name):
             _remove(fs, join(root, name))
 
@@ -544,5 +767,5 @@ def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
         fs.rm_file(path)
     except FileNotFoundError:
         pass
-    except OSError as exc:
+    except Exception as exc:  # noqa: BLE001 - any storage client's error (botocore's are not OSErrors)
         log.warning("stagesafe: could not delete stale file %s (%s); the next save retries", basename(path), exc)

@@ -13,9 +13,10 @@ from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.strategy import Strategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
 from typing_extensions import override
 
@@ -41,6 +42,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         handoff_uri: fsspec URL of the handoff folder; default ``<default_root_dir>/stagesafe_handoff``.
         storage_options: passed to fsspec for ``handoff_uri`` (credentials, endpoint, ...).
         max_shard_size: largest safetensors shard, e.g. ``"5GB"`` or a byte count.
+        resume_from: fsspec URL of a handoff (from an earlier job, any world size) whose weights a module
+            takes before its first stage under stagesafe; read with ``storage_options``.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -51,17 +54,21 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         handoff_uri: Optional[str] = None,
         storage_options: Optional[Mapping[str, Any]] = None,
         max_shard_size: Union[int, str] = "5GB",
+        resume_from: Optional[str] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
-        if handoff_uri is not None and not isinstance(handoff_uri, (str, os.PathLike)):
-            raise TypeError(f"handoff_uri must be a str URL or path, got {type(handoff_uri).__name__}")
+        for name, value in (("handoff_uri", handoff_uri), ("resume_from", resume_from)):
+            if value is not None and not isinstance(value, (str, os.PathLike)):
+                raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
         self.handoff_uri = None if handoff_uri is None else os.fspath(handoff_uri)
+        self.resume_from = None if resume_from is None else os.fspath(resume_from)
         self.storage_options = dict(storage_options or {})
         self.max_shard_size = max_shard_size
         self._boundary: Optional[StageBoundary] = None
+        self._publishing: Optional[StageBoundary] = None
         self.last_boundary: Optional[BoundaryReport] = None
 
     # -- entering a stage -------------------------------------------------------------------------------------
@@ -70,8 +77,13 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None
         boundary = StageBoundary(module, self._handoff_target(trainer), trainer.state.fn.value)
-        boundary.enter(self._metadata(trainer))  # refuses a stale module before anything changes it
+        resume = None
+        if self.resume_from is not None:
+            resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
+        boundary.enter(self._metadata(trainer), resume_from=resume)  # refuses a stale module before changing it
         self._boundary = boundary
+        if not any(isinstance(cb, _WaitForHandoff) for cb in trainer.callbacks):
+            trainer.callbacks.append(_WaitForHandoff())
         super().setup(trainer)
         self._boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
 
@@ -170,23 +182,37 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 trainer = self.lightning_module.trainer if self.lightning_module is not None else None
                 trained = trainer is not None and trainer.state.fn == TrainerFn.FITTING
                 metadata = self._metadata(trainer) if trainer is not None else {}
-                self.last_boundary = boundary.exit(engine, trained=trained, metadata=metadata)
+                # After a failure, publish before raising; otherwise overlap the upload with the rest of
+                # Lightning's teardown and join it in the Trainer's last hook (_WaitForHandoff).
+                background = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+                self.last_boundary = boundary.exit(engine, trained=trained, metadata=metadata, background=background)
                 self.model = boundary.module
                 self.optimizers = []
                 self.lr_scheduler_configs = []
-                if self.is_global_zero:
-                    report = self.last_boundary
-                    log.info(
-                        "stagesafe: %s boundary took %.2fs; handoff %s at %s (%.1f MB)%s",
-                        report.stage,
-                        report.seconds,
-                        "written" if report.wrote else "unchanged",
-                        report.uri,
-                        report.handoff_bytes / 1e6,
-                        "" if report.clean else f"; NOT clean: {report.stale_problems}",
-                    )
+                self._publishing = boundary
+                if not background:
+                    self.wait_for_handoff()
         finally:
             super().teardown()
+
+    def wait_for_handoff(self) -> None:
+        """Return once the last stage's handoff is committed (raise its failure on every rank), and log it."""
+        boundary, self._publishing = self._publishing, None
+        if boundary is None:
+            return
+        boundary.wait_published()
+        report = boundary.report
+        if self.is_global_zero:
+            log.info(
+                "stagesafe: %s boundary %.2fs (waited %.2fs for the upload); handoff %s at %s (%.1f MB)%s",
+                report.stage,
+                report.seconds,
+                report.phases.get("publish_wait", 0.0),
+                "written" if report.wrote else "unchanged",
+                report.uri,
+                report.handoff_bytes / 1e6,
+                "" if report.clean else f"; NOT clean: {report.stale_problems}",
+            )
 
     @classmethod
     @override
@@ -210,6 +236,17 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             offload_optimizer=True,
             offload_parameters=True,
         )
+
+
+class _WaitForHandoff(Callback):
+    """The Trainer's last hook of a call (after the strategy's teardown): the call returns only once the
+    handoff is committed, and an upload failure is raised from it."""
+
+    @override
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        strategy = trainer.strategy
+        if isinstance(strategy, StageSafeDeepSpeedStrategy):
+            strategy.wait_for_handoff()
 
 
 def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:

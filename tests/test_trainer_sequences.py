@@ -219,3 +219,82 @@ def test_a_module_left_stale_by_stock_deepspeed_is_refused(stagesafe_run):
 def test_control_lightning_refuses_cpu(stock_run):
     (stage,) = _stages(stock_run, "lightning:cpu")
     assert "only supported on CUDA" in stage["error"]
+
+
+def test_a_fit_that_raises_leaves_the_last_good_weights_and_the_next_stages_run(stagesafe_run):
+    failed, test, fit_again = _stages(stagesafe_run, "stagesafe:raise_in_fit")
+    assert "planned failure in training_step at step 2" in failed["error"]
+    failed = {**failed, "error": None}
+    for stage in (failed, test, fit_again):
+        _assert_clean(stage)
+    # two optimizer steps had completed: the module holds exactly what fit(max_steps=2) gives
+    (two_steps,) = _stages(stagesafe_run, "stagesafe:two_steps")
+    assert failed["probe"]["digest"] == two_steps["probe"]["digest"]
+    assert test["probe"]["digest"] == failed["probe"]["digest"]
+    assert fit_again["probe"]["digest"] != failed["probe"]["digest"]
+
+
+def test_a_failed_handoff_upload_is_raised_on_every_rank_and_nothing_is_lost(stagesafe_run):
+    name = "stagesafe:publish_fails"
+    first, failed, test = _stages(stagesafe_run, name)
+    failed_on_1 = _stages(stagesafe_run, name, rank=1)[1]
+    assert failed["error"].startswith("OSError: [Errno 27] File too large")  # rank 0 could not write
+    assert "failed on rank 0: OSError" in failed_on_1["error"]  # rank 1 is told, instead of hanging
+    assert failed["handoff_digest"] == first["probe"]["digest"]  # the previous handoff is intact
+    failed = {**failed, "error": None}
+    _assert_clean(failed)  # the module is clean and holds the new weights
+    assert failed["probe"]["digest"] != first["probe"]["digest"]
+    _assert_clean(test)
+    assert test["handoff_digest"] == failed["probe"]["digest"]  # the next stage wrote the missing handoff
+
+
+def test_a_later_job_resumes_from_a_handoff(stagesafe_run):
+    demo_final = _stages(stagesafe_run, "stagesafe:demo")[-1]["probe"]["digest"]
+    test, fit = _stages(stagesafe_run, "stagesafe:resumed")
+    _assert_clean(test)
+    _assert_clean(fit)
+    assert test["probe"]["digest"] == demo_final  # a fresh module took the handoff's weights
+    assert fit["probe"]["digest"] != demo_final
+
+
+@pytest.fixture(scope="module")
+def single_rank_resume(stagesafe_run, tmp_path_factory):
+    root = tmp_path_factory.mktemp("seq-1rank")
+    handoff = stagesafe_run["rank0"]["stagesafe:demo"]["handoff_uri"]
+    spec = {
+        "accelerator": "cpu", "devices": 1, "root": str(root),
+        "cases": [{"name": "one_rank", "strategy": "stagesafe", "stages": ["test", "fit"], "resume_from": handoff,
+                   "precision": "bf16-mixed"}],
+    }
+    (root / "spec.json").write_text(json.dumps(spec))
+    run_script(SCRIPT, [str(root / "spec.json"), str(root / "out")], timeout=240, cwd=str(root))
+    return json.loads((root / "out.rank0.json").read_text())
+
+
+def test_a_handoff_written_by_two_ranks_resumes_a_one_rank_job(stagesafe_run, single_rank_resume):
+    demo_final = _stages(stagesafe_run, "stagesafe:demo")[-1]["probe"]["digest"]
+    test, fit = single_rank_resume["one_rank"]["stages"]
+    _assert_clean(test)
+    _assert_clean(fit)
+    assert test["probe"]["digest"] == demo_final
+    assert read_manifest(single_rank_resume["one_rank"]["handoff_uri"])["metadata"]["world_size"] == 1
+
+
+def test_cli_consolidates_a_checkpoint_written_by_lightning(stagesafe_run, tmp_path, capsys):
+    """ModelCheckpoint under the strategy writes DeepSpeed's sharded folder; `stagesafe consolidate` turns it
+    into the handoff format, equal to DeepSpeed's own reader and to the weights the module ended with."""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    from stagesafe.cli import main
+    from toy import state_digest_of
+
+    last = stagesafe_run["root"] / "stagesafe_ckpt" / "ckpt" / "last.ckpt"
+    assert (last / "latest").is_file()
+    assert main(["consolidate", str(last), str(tmp_path / "out"), "-q"]) == 0
+    ours = load_state_dict(str(tmp_path / "out"))
+    reference = get_fp32_state_dict_from_zero_checkpoint(str(last))
+    assert set(reference) <= set(ours)
+    for name, tensor in reference.items():
+        assert torch.equal(ours[name].view(torch.int32), tensor.view(torch.int32)), name
+    resumed_fit = _stages(stagesafe_run, "stagesafe:ckpt")[-1]["probe"]["digest"]
+    assert state_digest_of(ours) == resumed_fit

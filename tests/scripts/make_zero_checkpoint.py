@@ -12,7 +12,7 @@ a tied weight (head.weight is embed.weight), a frozen layer, a float and an inte
 groups, and parameter sizes not divisible by the world size so partition padding is exercised. ``--model big``
 (with ``--hidden``/``--layers``) is the benchmark's model. Rank 0 prints one line ``DONE <json>`` at the end.
 
-    RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 DS_ACCELERATOR=cpu \\
+    RANK=0 LOCAL_RANK=0 WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29511 DS_ACCELERATOR=cpu \\
         python tests/scripts/make_zero_checkpoint.py OUT s3:stage=3,dtype=fp32 &  # and RANK=1 likewise
 """
 
@@ -99,7 +99,7 @@ def lightning_client_state(global_step: int) -> dict:
     }
 
 
-def build_one(out: str, name: str, opts: dict[str, str], args: argparse.Namespace, rank: int) -> dict:
+def build_one(out: str, name: str, opts: dict[str, str], args: argparse.Namespace) -> dict:
     import deepspeed
 
     stage = int(opts.get("stage", "3"))
@@ -158,7 +158,7 @@ def main() -> int:
 
     deepspeed.init_distributed("gloo")
     rank = torch.distributed.get_rank()
-    made = [build_one(args.out, *parse_spec(spec), args, rank) for spec in args.specs]
+    made = [build_one(args.out, *parse_spec(spec), args) for spec in args.specs]
     torch.distributed.barrier()
     if rank == 0:
         print("DONE " + json.dumps(made), flush=True)

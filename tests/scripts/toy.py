@@ -31,10 +31,13 @@ class Backbone(nn.Module):
 
 
 class ToyModule(pl.LightningModule):
-    def __init__(self, backbone: nn.Module | None = None, lr: float = 0.1, frozen_hidden: bool = False) -> None:
+    def __init__(
+        self, backbone: nn.Module | None = None, lr: float = 0.1, frozen_hidden: bool = False, fail_at_step: int | None = None
+    ) -> None:
         super().__init__()
         self.backbone = backbone if backbone is not None else Backbone()
         self.lr = lr
+        self.fail_at_step = fail_at_step
         self.user_hook_calls = 0
         self.backbone.register_forward_hook(self._user_hook)
         if frozen_hidden:
@@ -51,6 +54,8 @@ class ToyModule(pl.LightningModule):
         return nn.functional.cross_entropy(self(tokens).float(), targets)
 
     def training_step(self, batch, batch_idx):
+        if self.fail_at_step is not None and self.global_step == self.fail_at_step:
+            raise RuntimeError(f"planned failure in training_step at step {self.global_step}")
         return self._loss(batch)
 
     def validation_step(self, batch, batch_idx):
@@ -75,8 +80,12 @@ def dataloader(n: int = 32, batch_size: int = 4) -> DataLoader:
 
 def state_digest(module: nn.Module) -> str:
     """sha256 over names, dtypes, shapes and bytes of the state dict: equal digests mean bitwise equal."""
+    return state_digest_of(module.state_dict())
+
+
+def state_digest_of(state_dict: dict) -> str:
     h = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
+    for name, tensor in sorted(state_dict.items()):
         t = tensor.detach().to("cpu").contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")

@@ -6,7 +6,9 @@ each rank writes OUT_PREFIX.rank<r>.json. A case is a dict:
   name, strategy ("stagesafe" | "stock"), stages (e.g. ["fit", "test@best", "validate"]),
   trainer ("one" | "per_call"), precision, lr, max_epochs (int or list per stage), new_root_at (stage
   indices that wrap the previous backbone in a new LightningModule), user_config (a DeepSpeed config dict
-  shared by every strategy of the case), checkpoint (ModelCheckpoint on), frozen_hidden, zero_stage.
+  shared by every strategy of the case), checkpoint (ModelCheckpoint on), frozen_hidden, zero_stage,
+  fail_at_step (training_step raises once at that global step), continue_after_error, max_steps,
+  file_size_limit_at (stage index during which rank 0 may not write files over 2 kB).
 A spec may also name "case_groups" built by matrix_cases / scenario_cases below.
 """
 
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import json
 import os
+import resource
+import signal
 import sys
 import traceback
 
@@ -23,7 +27,7 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
-from toy import ToyModule, dataloader, probe, state_digest  # noqa: E402
+from toy import ToyModule, dataloader, probe, state_digest, state_digest_of  # noqa: E402
 
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
 from stagesafe._cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
@@ -82,6 +86,12 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "zero_stage_1", "stages": ["fit", "test", "fit"], "zero_stage": 1},
         {"name": "zero_stage_2", "stages": ["fit", "test", "fit"], "zero_stage": 2},
         {"name": "default_handoff", "stages": ["fit", "test"], "default_handoff": True},
+        {"name": "raise_in_fit", "stages": ["fit", "test", "fit"], "fail_at_step": 2, "continue_after_error": True},
+        {"name": "two_steps", "stages": ["fit"], "max_steps": 2},
+        {"name": "publish_fails", "stages": ["fit", "fit", "test"], "file_size_limit_at": 1, "continue_after_error": True},
+        # a later "job" (new strategy, fresh module) continues from the handoff the demo case left behind
+        {"name": "resumed", "stages": ["test", "fit"], "trainer": "per_call",
+         "resume_from": "{root}/" + _slug(f"{strategy}:demo") + "/handoff"},
     ]
     for case in cases:
         case.update(strategy=strategy, precision=precision, name=f"{strategy}:{case['name']}")
@@ -98,6 +108,8 @@ def make_strategy(case: dict, root: str, index: int) -> pl.strategies.Strategy:
         kwargs = {"config": case["user_config"]}
     strategy = case["strategy"][index] if isinstance(case["strategy"], list) else case["strategy"]
     if strategy == "stagesafe":
+        if case.get("resume_from"):
+            kwargs["resume_from"] = case["resume_from"]
         if case.get("default_handoff"):
             return StageSafeDeepSpeedStrategy(**kwargs)
         return StageSafeDeepSpeedStrategy(handoff_uri=f"{root}/{_slug(case['name'])}/handoff", **kwargs)
@@ -119,6 +131,7 @@ def make_trainer(case: dict, spec: dict, strategy, max_epochs: int, callbacks: l
         strategy=strategy,
         precision=case.get("precision", "32-true"),
         max_epochs=max_epochs,
+        max_steps=case.get("max_steps", -1),
         logger=False,
         enable_checkpointing=bool(case.get("checkpoint")),
         enable_progress_bar=False,
@@ -150,8 +163,12 @@ def run_stage(trainer: pl.Trainer, module: ToyModule, stage: str, root: str) -> 
 
 
 def run_case(case: dict, spec: dict) -> dict:
+    if case.get("resume_from"):
+        case["resume_from"] = case["resume_from"].replace("{root}", spec["root"])
     torch.manual_seed(0)
-    module = ToyModule(lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False))
+    module = ToyModule(
+        lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False), fail_at_step=case.get("fail_at_step")
+    )
     initial = {n: t.detach().clone() for n, t in module.state_dict().items()}
     result: dict = {"initial_digest": state_digest(module), "stages": []}
     strategy = trainer = None
@@ -162,6 +179,10 @@ def run_case(case: dict, spec: dict) -> dict:
         epochs = max_epochs[index] if isinstance(max_epochs, list) else max_epochs
         master_probe = MasterProbe(initial)
         record: dict = {"stage": stage, "error": None}
+        limited = index == case.get("file_size_limit_at") and dist.is_initialized() and dist.get_rank() == 0
+        if limited:  # rank 0 cannot write files larger than 2 kB during this stage: its handoff write fails
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         try:
             if trainer is None or case.get("trainer", "one") == "per_call":
                 strategy = make_strategy(case, spec["root"], index)
@@ -172,17 +193,26 @@ def run_case(case: dict, spec: dict) -> dict:
         except BaseException as exc:  # noqa: BLE001 - recorded for the test to assert on
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["traceback"] = traceback.format_exc()[-3000:]
+        if limited:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         record["master_max_abs_diff"] = master_probe.max_abs_diff
         record["global_step"] = trainer.global_step if trainer is not None else None
         record["probe"] = probe(module)
         report = getattr(strategy, "last_boundary", None)
         if report is not None:
             record["boundary"] = {"seconds": report.seconds, "wrote": report.wrote, "clean": report.clean, "uri": report.uri}
+        if case["strategy"] == "stagesafe" and os.path.exists(f"{spec['root']}/{_slug(case['name'])}/handoff/stagesafe.json"):
+            from stagesafe import load_state_dict
+
+            handoff = load_state_dict(f"{spec['root']}/{_slug(case['name'])}/handoff")
+            record["handoff_digest"] = state_digest_of(handoff)
         if case.get("checkpoint") and trainer is not None and trainer.checkpoint_callback is not None:
             record["best_model_path"] = trainer.checkpoint_callback.best_model_path
         result["stages"].append(record)
-        if record["error"] is not None:
+        if record["error"] is not None and not case.get("continue_after_error"):
             break
+        if index == 0 and case.get("fail_at_step") is not None:
+            module.fail_at_step = None  # the planned failure happens once
     result["user_config_after"] = case.get("user_config")
     result["handoff_uri"] = f"{spec['root']}/{_slug(case['name'])}/handoff"
     return result

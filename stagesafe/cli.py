@@ -1,0 +1,296 @@
+"""The ``stagesafe`` command: ``consolidate``, ``inspect`` and ``verify``.
+
+``main(argv) -> int`` so that tests call it in-process. Exit codes: 0 ok; 1 a handoff failed verification, or
+an error of the system or a storage backend (disk full, no credentials); 2 bad input. Errors are one line on
+stderr saying what was wrong and what to do (``--traceback`` shows where an unexpected one came from).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
+
+_CONSOLIDATE_EPILOG = """\
+SRC is the folder engine.save_checkpoint(SRC) wrote (it holds 'latest' and a tag folder such as
+global_step100), or the folder Lightning's trainer.save_checkpoint("x.ckpt") wrote under DeepSpeed, or a
+tag folder itself. DST receives model-0000i-of-0000n.safetensors, model.safetensors.index.json and the
+manifest stagesafe.json (sha256 of every shard). Both may be local paths or fsspec URLs.
+
+examples:
+  stagesafe consolidate checkpoints/run1 weights/run1
+  stagesafe consolidate lightning_logs/version_0/checkpoints/epoch=2-step=300.ckpt out --dtype bf16
+  stagesafe consolidate ckpt s3://bucket/weights --tag global_step500 --max-shard-size 2GB --workers 4
+  stagesafe consolidate s3://bucket/ckpt gs://bucket/weights --storage-option anon=false --overwrite
+"""
+_INSPECT_EPILOG = """\
+URL is a stagesafe handoff (a folder with stagesafe.json) or a DeepSpeed checkpoint folder; only
+metadata is read, never tensor data.
+
+examples:
+  stagesafe inspect weights/run1
+  stagesafe inspect checkpoints/run1 --tag global_step100
+  stagesafe inspect s3://bucket/weights --json | jq '.totals'
+"""
+_VERIFY_EPILOG = """\
+Re-hashes every shard and compares it with the sha256 and size in the manifest, and checks the index.
+Exit 0 when all match, 1 naming the first shard that does not, 2 when URL holds no handoff.
+
+examples:
+  stagesafe verify weights/run1
+  stagesafe verify s3://bucket/weights --storage-option profile=prod && echo intact
+"""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but its usage errors are one line and exit code 2 through :func:`main`, not ``sys.exit``."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise _UsageError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
+class _UsageError(Exception):
+    pass
+
+
+def _storage_option(text: str) -> tuple[str, Any]:
+    key, sep, raw = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"{text!r} is not KEY=VALUE, e.g. anon=true or endpoint_url=http://...")
+    try:
+        value = json.loads(raw)  # true/false/null, numbers, JSON objects; anything else stays a string
+    except ValueError:
+        value = raw
+    return key, value
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number of workers")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="stagesafe",
+        description="DeepSpeed ZeRO checkpoints to safetensors shards on any fsspec URL, and checks of the result.",
+    )
+    parser.add_argument(
+        "--traceback", action="store_true", help="on an unexpected error, print the traceback instead of one line"
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.required = True
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    storage = argparse.ArgumentParser(add_help=False)
+    storage.add_argument(
+        "--storage-option",
+        "-o",
+        dest="storage_options",
+        action="append",
+        type=_storage_option,
+        default=[],
+        metavar="KEY=VALUE",
+        help="fsspec option for the filesystems (repeatable; VALUE is parsed as JSON when it can be)",
+    )
+
+    p = sub.add_parser(
+        "consolidate",
+        parents=[storage],
+        help="write a DeepSpeed ZeRO checkpoint's weights as safetensors shards",
+        description="Consolidate the fp32 weights of a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, any world "
+        "size) into safetensors shards, reading one tensor at a time.",
+        epilog=_CONSOLIDATE_EPILOG,
+        formatter_class=fmt,
+    )
+    p.add_argument("src", metavar="SRC", help="DeepSpeed checkpoint folder (path or URL)")
+    p.add_argument("dst", metavar="DST", help="destination folder (path or URL)")
+    p.add_argument("--tag", help="tag folder to read (default: the one the 'latest' file names)")
+    p.add_argument(
+        "--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating tensors (default: as saved, fp32 masters)"
+    )
+    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    p.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that were not trained")
+    p.add_argument("--overwrite", action="store_true", help="replace what DST holds (atomically, for a handoff)")
+    p.add_argument(
+        "--workers", type=_workers, default=1, metavar="N", help="shards built and written at once (default 1)"
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no summary line")
+
+    p = sub.add_parser(
+        "inspect",
+        parents=[storage],
+        help="list the tensors of a handoff or of a DeepSpeed checkpoint",
+        description="List tensors (name, dtype, shape, shard), totals and the manifest, without reading tensor data.",
+        epilog=_INSPECT_EPILOG,
+        formatter_class=fmt,
+    )
+    p.add_argument("url", metavar="URL", help="handoff folder or DeepSpeed checkpoint folder (path or URL)")
+    p.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
+    p.add_argument("--tag", help="for a DeepSpeed checkpoint: tag folder to describe")
+
+    p = sub.add_parser(
+        "verify",
+        parents=[storage],
+        help="re-hash every shard of a handoff against its manifest",
+        description="Check every shard of a handoff against the sha256 and size its manifest records.",
+        epilog=_VERIFY_EPILOG,
+        formatter_class=fmt,
+    )
+    p.add_argument("url", metavar="URL", help="handoff folder (path or URL)")
+    p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``stagesafe`` command line; return the exit code."""
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except _UsageError as exc:
+        print(str(exc), file=sys.stderr)
+        return EXIT_USAGE
+    except SystemExit as exc:  # --help, --version
+        return int(exc.code or 0)
+
+    from stagesafe.errors import HandoffCorruptError, StageSafeError
+
+    try:
+        return {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify}[args.command](args)
+    except HandoffCorruptError as exc:
+        return _fail(exc, EXIT_FAILED)
+    except StageSafeError as exc:
+        return _fail(exc, EXIT_USAGE)
+    except OSError as exc:  # permission denied, disk full, network: not the user's input, but not a bug either
+        return _fail(exc, EXIT_FAILED)
+    except KeyboardInterrupt:
+        print("stagesafe: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # a storage backend's own error (credentials, ...) or a bug: one line unless asked
+        if args.traceback:
+            raise
+        return _fail(
+            exc, EXIT_FAILED, f"{type(exc).__module__}.{type(exc).__qualname__}: ", " (--traceback shows where)"
+        )
+
+
+def _fail(exc: BaseException, code: int, prefix: str = "", suffix: str = "") -> int:
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"stagesafe: error: {prefix}{message}{suffix}", file=sys.stderr)
+    return code
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from stagesafe.consolidate import consolidate
+
+    manifest = consolidate(
+        args.src,
+        args.dst,
+        tag=args.tag,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        exclude_frozen=args.exclude_frozen,
+        overwrite=args.overwrite,
+        storage_options=dict(args.storage_options) or None,
+        workers=args.workers,
+        progress=False if args.quiet else None,
+    )
+    if not args.quiet:
+        source = manifest["metadata"].get("source", {})
+        print(
+            f"wrote {len(manifest['weight_map'])} tensors ({_size(manifest['total_size'])}) in "
+            f"{len(manifest['shards'])} shard{'s' if len(manifest['shards']) != 1 else ''} to {args.dst} "
+            f"(ZeRO-{source.get('zero_stage')}, {source.get('world_size')} ranks, tag {source.get('tag')})"
+        )
+    return EXIT_OK
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from stagesafe.consolidate import inspect_checkpoint
+
+    info = inspect_checkpoint(args.url, tag=args.tag, storage_options=dict(args.storage_options) or None)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return EXIT_OK
+    out = []
+    if info["kind"] == "handoff":
+        man = info["manifest"]
+        out.append(f"handoff {info['url']} ({man['format']}, created {man['created']})")
+        last = ("shard", lambda row: row.get("shard") or f"= {row['alias_of']} (tied)")
+    else:
+        out.append(
+            f"DeepSpeed ZeRO-{info['zero_stage']} checkpoint {info['url']}, tag {info['tag']}, "
+            f"{info['world_size']} ranks, written by deepspeed {info['deepspeed_version']}"
+        )
+        last = ("kind", lambda row: row.get("kind") or f"= {row['alias_of']} (tied)")
+    rows = [(r["name"], r["dtype"], "[" + ", ".join(map(str, r["shape"])) + "]", last[1](r)) for r in info["tensors"]]
+    out.extend(_table(("name", "dtype", "shape", last[0]), rows))
+    totals = info["totals"]
+    tied = f" (+{totals['aliases']} tied)" if totals["aliases"] else ""
+    line = f"{totals['tensors']} tensors{tied}, {totals['elements']:,} elements, {_size(totals['bytes'])}"
+    if info["kind"] == "handoff":
+        line += f" in {totals['shards']} shard{'s' if totals['shards'] != 1 else ''} ({_size(totals['file_bytes'])} on disk)"
+        out.append(line)
+        for name, rec in man["shards"].items():
+            out.append(f"  {name}  {_size(rec['size'])}  sha256 {rec['sha256']}")
+        if man["metadata"]:
+            out.append("metadata: " + json.dumps(man["metadata"], sort_keys=True))
+        out.append("versions: " + ", ".join(f"{k} {v}" for k, v in man["versions"].items() if v))
+    else:
+        kinds = totals["by_kind"]
+        out.append(
+            f"{line} ({kinds['param']:,} trained, {kinds['frozen']:,} frozen, {kinds['buffer']:,} buffer elements)"
+        )
+    print("\n".join(out))
+    return EXIT_OK
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from stagesafe._fs import join, resolve
+    from stagesafe.errors import HandoffNotFoundError
+    from stagesafe.store import verify
+
+    options = dict(args.storage_options) or None
+    try:
+        manifest = verify(args.url, storage_options=options)
+    except HandoffNotFoundError as exc:
+        fs, root = resolve(args.url, options)
+        if fs.isfile(join(root, "latest")):
+            raise HandoffNotFoundError(
+                f"no handoff at {args.url!r}: it is a DeepSpeed checkpoint, which has no manifest to verify against; "
+                f"consolidate it (stagesafe consolidate {args.url} DST), then verify DST"
+            ) from exc
+        raise
+    if not args.quiet:
+        size = sum(rec["size"] for rec in manifest["shards"].values())
+        n = len(manifest["shards"])
+        print(f"ok: {n} shard{'s' if n != 1 else ''} ({_size(size)}) match the manifest of {args.url}")
+    return EXIT_OK
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths[:-1]) + "  {}"
+    return [fmt.format(*header), *(fmt.format(*row) for row in rows)]
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n} B"  # pragma: no cover
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,376 @@
+"""DeepSpeed ZeRO checkpoint folder -> the handoff format (safetensors shards, index, manifest), shard by shard.
+
+:func:`consolidate` reads the checkpoint lazily (:mod:`stagesafe.zero_checkpoint`) and writes with the store's
+own steps (:func:`stagesafe.store.write_shard`, :func:`stagesafe.store.commit`), so a consolidated checkpoint
+and a strategy handoff are the same format, written by the same code. Only the tensors of the shards being
+written are in memory. :func:`load_zero_checkpoint` reads a (small) checkpoint into memory instead, and
+:func:`inspect_checkpoint` describes a handoff or a ZeRO checkpoint without reading tensor data.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from stagesafe import store
+from stagesafe._fs import join, list_files, resolve, url_of
+from stagesafe._planning import INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
+from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
+from stagesafe.zero_checkpoint import ZeroCheckpoint, open_zero_checkpoint
+
+__all__ = [
+    "DTYPES",
+    "consolidate",
+    "inspect_checkpoint",
+    "load_zero_checkpoint",
+    "load_zero_checkpoint_with_client_state",
+]
+
+DTYPES: dict[str, torch.dtype] = {
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
+
+
+def consolidate(
+    src: str,
+    dst: str,
+    *,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    exclude_frozen: bool = False,
+    overwrite: bool = False,
+    storage_options: dict[str, Any] | None = None,
+    workers: int = 1,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Write the weights of the DeepSpeed checkpoint ``src`` to ``dst`` as safetensors shards; return the manifest.
+
+    ``src`` is a checkpoint folder (``engine.save_checkpoint``'s or Lightning's, ZeRO stage 1, 2 or 3, any world
+    size) or its tag folder; ``dst`` a folder. Both are local paths or fsspec URLs (``storage_options`` go to
+    both filesystems). The values are the fp32 master weights, buffers and frozen parameters, bit for bit what
+    DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint`` returns; ``dtype`` (``"fp32"``, ``"bf16"``,
+    ``"fp16"``) casts every floating tensor, integer buffers stay as they are. Tied names are stored once and
+    recorded as aliases in the manifest.
+
+    ``workers`` shards are built and written at a time. The rank files are read one tensor at a time and their
+    pages given back, so memory is set by the shard writer: :func:`stagesafe.store.write_shard` holds a few
+    copies of each shard in flight (see docs/performance.md). ``progress``: a bar on stderr (default: when
+    stderr is a terminal). Nothing is left at ``dst`` if it fails; an existing handoff at ``dst`` is replaced
+    atomically only with ``overwrite=True``.
+    """
+    out_dtype = _parse_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise InvalidArgumentError(f"workers={workers!r} must be a positive int")
+    fs, root = resolve(dst, storage_options)
+    _check_destination(fs, root, overwrite)
+    existed = fs.exists(root)
+    with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
+        plan = _plan(ckpt, out_dtype, limit, taken=store.live_files(fs, root))
+        bar = _progress_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
+        if bar is not None:
+            plan.state_dict.on_read = bar.update
+        metadata = {
+            "source": {
+                "url": ckpt.url,
+                "tag": ckpt.tag,
+                "layout": ckpt.layout,
+                "zero_stage": ckpt.stage,
+                "world_size": ckpt.world_size,
+                "deepspeed_version": ckpt.ds_version,
+            },
+            "dtype": None if out_dtype is None else _dtype_name(out_dtype),
+            "exclude_frozen": bool(exclude_frozen),
+        }
+        try:
+            records = _write_shards(fs, root, plan, workers, remove_root=not existed)
+        finally:
+            if bar is not None:
+                bar.close()
+        return store.commit(fs, root, plan, records, metadata=metadata)
+
+
+def load_zero_checkpoint(
+    src: str,
+    *,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    exclude_frozen: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The fp32 state dict of the DeepSpeed checkpoint ``src``, in memory (tied names share one tensor).
+
+    The same values as :func:`consolidate` writes; use this for models that fit in memory.
+    """
+    return load_zero_checkpoint_with_client_state(
+        src, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen, storage_options=storage_options
+    )[0]
+
+
+def load_zero_checkpoint_with_client_state(
+    src: str,
+    *,
+    tag: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    exclude_frozen: bool = False,
+    storage_options: dict[str, Any] | None = None,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``(state_dict, client_state)``: :func:`load_zero_checkpoint` plus the entries of rank 0's model states
+    that are not DeepSpeed's own (for a Lightning checkpoint: epoch, global_step, loops, callbacks, ...)."""
+    out_dtype = _parse_dtype(dtype)
+    with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
+        values = {name: _cast(tensor, out_dtype) for name, tensor in ckpt.iter_tensors()}
+        for alias, canonical in ckpt.aliases.items():
+            values[alias] = values[canonical]
+        ordered = {name: values[name] for name in ckpt.state_dict_names()}
+        return ordered, dict(ckpt.client_state)
+
+
+def inspect_checkpoint(
+    uri: str, *, tag: str | None = None, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Describe what is at ``uri`` without reading tensor data: a handoff (its manifest) or a ZeRO checkpoint.
+
+    Returns a JSON-plain dict: ``kind`` (``"handoff"`` or ``"deepspeed"``), ``url``, ``tensors`` (a list of
+    ``{name, dtype, shape, shard | alias_of | kind}``), ``totals`` and, for a handoff, the ``manifest``.
+    """
+    fs, root = resolve(uri, storage_options)
+    if not fs.exists(root):
+        raise HandoffNotFoundError(
+            f"{url_of(fs, root)!r} does not exist; pass a handoff folder or a DeepSpeed checkpoint folder"
+        )
+    try:
+        manifest = store.read_manifest(uri, storage_options=storage_options)
+    except HandoffNotFoundError:
+        if any(n == INDEX_NAME or is_shard_name(n) for n in list_files(fs, root)):
+            raise  # model files without a manifest: the store's message says what happened
+        try:
+            ckpt = open_zero_checkpoint(uri, tag=tag, storage_options=storage_options)
+        except CheckpointFormatError as not_zero:
+            raise CheckpointFormatError(f"no stagesafe handoff ({MANIFEST_NAME}) here, and {not_zero}") from None
+        with ckpt:
+            return _describe_zero(ckpt)
+    return _describe_handoff(url_of(fs, root), manifest)
+
+
+# -- internals -----------------------------------------------------------------------------------------------------
+
+
+def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
+        return DTYPES[dtype.lower().removeprefix("torch.")]
+    raise InvalidArgumentError(f"dtype={dtype!r} is not one of fp32, bf16, fp16 (or None to keep DeepSpeed's dtypes)")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _out_dtype(dtype: torch.dtype, out: torch.dtype | None) -> torch.dtype:
+    return out if out is not None and dtype.is_floating_point else dtype
+
+
+def _cast(tensor: torch.Tensor, out: torch.dtype | None) -> torch.Tensor:
+    target = _out_dtype(tensor.dtype, out)
+    return tensor if tensor.dtype == target else tensor.to(target)
+
+
+def _check_destination(fs: Any, root: str, overwrite: bool) -> None:
+    """Refuse a destination that is a file, or that holds anything at all unless ``overwrite``."""
+    url = url_of(fs, root)
+    if fs.isfile(root):
+        raise HandoffExistsError(f"destination {url!r} is a file; give a folder (it is created if missing)")
+    if overwrite:
+        return
+    try:
+        fs.invalidate_cache(root)
+        present = fs.ls(root, detail=False) if fs.isdir(root) else []
+    except FileNotFoundError:
+        present = []
+    if present:
+        has_handoff = any(str(p).rstrip("/").endswith("/" + MANIFEST_NAME) for p in present)
+        what = "a handoff" if has_handoff else f"{len(present)} entr{'y' if len(present) == 1 else 'ies'}"
+        raise HandoffExistsError(
+            f"destination {url!r} already exists and holds {what}; pass --overwrite (overwrite=True) to replace "
+            "the handoff there, or choose a new folder"
+        )
+
+
+class _LazyStateDict(Mapping):
+    """The checkpoint's stored tensors as a mapping that reads (and casts) a tensor only when asked for it."""
+
+    def __init__(self, ckpt: ZeroCheckpoint, out: torch.dtype | None):
+        self._ckpt, self._out = ckpt, out
+        self.on_read: Callable[[int], Any] | None = None  # told the bytes of each tensor read (a progress bar)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = _cast(self._ckpt.read(name), self._out)
+        if self.on_read is not None:
+            self.on_read(tensor.numel() * tensor.element_size())
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._ckpt.tensors)
+
+    def __len__(self) -> int:
+        return len(self._ckpt.tensors)
+
+
+def _plan(ckpt: ZeroCheckpoint, out: torch.dtype | None, limit: int, *, taken: set[str]) -> store.HandoffPlan:
+    """The store's plan for the checkpoint, made from its description (no tensor is read)."""
+    sizes = {name: spec.numel * _out_dtype(spec.dtype, out).itemsize for name, spec in ckpt.tensors.items()}
+    groups = plan_shards(sizes.items(), limit)
+    files = shard_file_names(len(groups), taken=taken)
+    shards = dict(zip(files, groups))
+    described = {}
+    for name in ckpt.state_dict_names():
+        spec = ckpt.tensors[ckpt.aliases.get(name, name)]
+        described[name] = {"dtype": _dtype_name(_out_dtype(spec.dtype, out)), "shape": list(spec.shape)}
+    return store.HandoffPlan(
+        shards=shards,
+        weight_map={name: file for file, names in shards.items() for name in names},
+        tensors=described,
+        aliases=dict(ckpt.aliases),
+        total_size=sum(sizes.values()),
+        state_dict=_LazyStateDict(ckpt, out),
+    )
+
+
+def _write_shards(
+    fs: Any, root: str, plan: store.HandoffPlan, workers: int, *, remove_root: bool
+) -> dict[str, store.ShardRecord]:
+    """Build and write every shard of ``plan``, ``workers`` at a time; on failure remove what was written."""
+    lock = threading.Lock()
+    records: dict[str, store.ShardRecord] = {}
+
+    def one(file_name: str) -> None:
+        tensors = plan.shard_tensors(file_name)  # reads this shard's tensors from the checkpoint, and only those
+        record = store.write_shard(fs, root, file_name, tensors)
+        del tensors
+        with lock:
+            records[file_name] = record
+
+    try:
+        if workers == 1 or len(plan.shards) == 1:
+            for file_name in plan.shards:
+                one(file_name)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stagesafe") as pool:
+                futures = [pool.submit(one, f) for f in plan.shards]
+                try:
+                    for future in concurrent.futures.as_completed(futures):
+                        future.result()
+                except BaseException:
+                    for future in futures:
+                        future.cancel()
+                    raise
+    except BaseException:
+        for file_name in list(records):  # never a live file: the plan's names avoid the committed handoff's
+            try:
+                fs.rm_file(join(root, file_name))
+            except OSError:
+                pass
+        if remove_root:
+            _remove_empty_dir(fs, root)
+        raise
+    return records
+
+
+def _remove_empty_dir(fs: Any, root: str) -> None:
+    try:
+        if fs.isdir(root) and not fs.ls(root, detail=False):
+            fs.rmdir(root)
+    except OSError:
+        pass
+
+
+def _progress_bar(progress: bool | None, total: int, desc: str):
+    if progress is None:
+        progress = sys.stderr.isatty()
+    if not progress:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:  # pragma: no cover - tqdm is optional
+        return None
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, leave=False)
+
+
+def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
+    aliases = manifest["aliases"]
+    tensors = []
+    elements = 0
+    for name, meta in manifest["tensors"].items():
+        row = {"name": name, "dtype": meta["dtype"], "shape": list(meta["shape"])}
+        if name in aliases:
+            row["alias_of"] = aliases[name]
+        else:
+            row["shard"] = manifest["weight_map"][name]
+            elements += _numel(meta["shape"])
+        tensors.append(row)
+    return {
+        "kind": "handoff",
+        "url": url,
+        "tensors": tensors,
+        "totals": {
+            "tensors": len(tensors) - len(aliases),
+            "aliases": len(aliases),
+            "elements": elements,
+            "bytes": manifest["total_size"],
+            "shards": len(manifest["shards"]),
+            "file_bytes": sum(rec["size"] for rec in manifest["shards"].values()),
+        },
+        "manifest": {k: manifest[k] for k in ("format", "created", "shards", "metadata", "versions")},
+    }
+
+
+def _describe_zero(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    tensors: list[dict[str, Any]] = [
+        {"name": s.name, "dtype": _dtype_name(s.dtype), "shape": list(s.shape), "kind": s.kind}
+        for s in ckpt.tensors.values()
+    ]
+    for alias, canonical in ckpt.aliases.items():
+        spec = ckpt.tensors[canonical]
+        tensors.append(
+            {"name": alias, "dtype": _dtype_name(spec.dtype), "shape": list(spec.shape), "alias_of": canonical}
+        )
+    return {
+        "kind": "deepspeed",
+        "url": ckpt.url,
+        "tag": ckpt.tag,
+        "layout": ckpt.layout,
+        "zero_stage": ckpt.stage,
+        "world_size": ckpt.world_size,
+        "deepspeed_version": ckpt.ds_version,
+        "tensors": tensors,
+        "totals": {
+            "tensors": len(ckpt.tensors),
+            "aliases": len(ckpt.aliases),
+            "elements": sum(s.numel for s in ckpt.tensors.values()),
+            "bytes": ckpt.total_bytes,
+            "by_kind": {
+                kind: sum(s.numel for s in ckpt.tensors.values() if s.kind == kind)
+                for kind in ("param", "frozen", "buffer")
+            },
+        },
+    }
+
+
+def _numel(shape: Any) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n

@@ -1,0 +1,223 @@
+"""Launch test scripts as real processes: N ranks of a torch.distributed script, or one script that spawns its own.
+
+Both helpers give the child a sanitized environment (no inherited rendezvous variables, CPU accelerator for
+DeepSpeed, one OpenMP thread) and, on failure or timeout, raise :class:`LaunchError` carrying every process's
+exit code and the tail of its stderr, so that a failing distributed test says why instead of hanging.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+__all__ = [
+    "ZERO_CHECKPOINT_SPECS",
+    "LaunchError",
+    "ProcessResult",
+    "free_port",
+    "run_ranks",
+    "run_script",
+    "sanitized_env",
+    "zero_checkpoints",
+]
+
+SCRIPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+# Variables that would make a child join someone else's process group or mistake its own rank.
+_RENDEZVOUS_VARS = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "LOCAL_RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "NODE_RANK",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "CROSS_RANK",
+    "CROSS_SIZE",
+    "PL_GLOBAL_SEED",
+    "PL_TRAINER_GPUS",
+    "SLURM_NTASKS",
+    "SLURM_JOB_ID",
+)
+_TAIL_CHARS = 4000
+
+
+@dataclass
+class ProcessResult:
+    """What one finished process left behind."""
+
+    name: str
+    returncode: int | None  # None: killed on timeout
+    stdout: str
+    stderr: str
+
+
+class LaunchError(AssertionError):
+    """One or more launched processes failed or timed out; the message holds each one's stderr tail."""
+
+    def __init__(self, summary: str, results: Sequence[ProcessResult]):
+        self.results = list(results)
+        parts = [summary]
+        for r in results:
+            status = "timed out (killed)" if r.returncode is None else f"exit code {r.returncode}"
+            parts.append(f"--- {r.name}: {status}; stderr tail:\n{r.stderr[-_TAIL_CHARS:]}")
+        super().__init__("\n".join(parts))
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it back)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def sanitized_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The current environment without rendezvous variables, with CPU DeepSpeed and one OpenMP thread."""
+    env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
+    env["DS_ACCELERATOR"] = "cpu"
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    # The child must import the package under test from this checkout, even when it is not installed.
+    repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def _start(cmd: list[str], env: dict[str, str], cwd: str | None, name: str, logdir: str):
+    # Output goes to files, not pipes: a chatty rank can never block on a full pipe while its peer waits on it.
+    out = open(os.path.join(logdir, f"{name}.out"), "w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+    err = open(os.path.join(logdir, f"{name}.err"), "w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err, start_new_session=True)
+    return proc, out, err
+
+
+def _finish(procs, timeout: float) -> tuple[list[ProcessResult], bool]:
+    """Wait for all processes within one shared deadline; kill every survivor when it passes."""
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    results = []
+    for _name, proc, _out, _err in procs:
+        try:
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            timed_out = True
+    for name, proc, out, err in procs:
+        killed = proc.poll() is None
+        if killed:
+            try:
+                os.killpg(proc.pid, 9)  # its own session: takes down the children it spawned, nothing else
+            except ProcessLookupError:
+                pass
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        results.append(ProcessResult(name, None if killed else proc.returncode, out.read(), err.read()))
+        out.close()
+        err.close()
+    return results, timed_out
+
+
+def run_ranks(
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    world_size: int = 2,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> list[ProcessResult]:
+    """Run ``world_size`` copies of ``script``, one per rank, rendezvousing on a free port of 127.0.0.1.
+
+    Each copy gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT. Returns the
+    results in rank order when every rank exits 0; otherwise raises :class:`LaunchError`.
+    """
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="stagesafe-launch-") as logdir:
+        procs = []
+        for rank in range(world_size):
+            rank_env = sanitized_env(env)
+            rank_env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(world_size),
+                LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            )
+            name = f"rank{rank}"
+            procs.append((name, *_start([sys.executable, script, *args], rank_env, cwd, name, logdir)))
+        results, timed_out = _finish(procs, timeout)
+    if timed_out:
+        raise LaunchError(f"{os.path.basename(script)} did not finish within {timeout:g} s", results)
+    if any(r.returncode != 0 for r in results):
+        raise LaunchError(f"{os.path.basename(script)} failed on at least one of {world_size} ranks", results)
+    return results
+
+
+def run_script(
+    script: str,
+    args: Sequence[str] = (),
+    *,
+    timeout: float = 120.0,
+    env: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+) -> ProcessResult:
+    """Run ``python script args`` once (a script that spawns its own ranks, as Lightning does), sanitized env.
+
+    Returns the result when it exits 0; otherwise raises :class:`LaunchError`. On timeout the whole process
+    group is killed, including ranks the script spawned.
+    """
+    with tempfile.TemporaryDirectory(prefix="stagesafe-launch-") as logdir:
+        procs = [("main", *_start([sys.executable, script, *args], sanitized_env(env), cwd, "main", logdir))]
+        (result,), timed_out = _finish(procs, timeout)
+    if timed_out:
+        raise LaunchError(f"{os.path.basename(script)} did not finish within {timeout:g} s", [result])
+    if result.returncode != 0:
+        raise LaunchError(f"{os.path.basename(script)} failed", [result])
+    return result
+
+
+# -- real DeepSpeed checkpoints, shared by the test modules ------------------------------------------------------
+
+# name -> spec for tests/scripts/make_zero_checkpoint.py: every ZeRO stage in fp32, bf16 for each stage, and
+# Lightning's layout (trainer.save_checkpoint under DeepSpeedStrategy: tag "checkpoint" plus client state).
+ZERO_CHECKPOINT_SPECS = (
+    "s1:stage=1,dtype=fp32",
+    "s2:stage=2,dtype=fp32",
+    "s3:stage=3,dtype=fp32",
+    "s1b:stage=1,dtype=bf16",
+    "s2b:stage=2,dtype=bf16",
+    "s3b:stage=3,dtype=bf16",
+    "lit:stage=3,dtype=fp32,layout=lightning",
+)
+
+
+@functools.cache
+def zero_checkpoints(
+    root: str, specs: tuple[str, ...] = ZERO_CHECKPOINT_SPECS, *, world_size: int = 2, timeout: float = 240.0
+) -> dict:
+    """Build the checkpoints of ``specs`` under ``root`` with real DeepSpeed ranks (gloo, CPU), once per process.
+
+    Returns ``{name: {"path", "stage", "dtype", "layout"}}``. One launch builds them all (about 8 s, plus about
+    30 s the first time DeepSpeed compiles its shared-memory op into ~/.cache/torch_extensions).
+    """
+    script = os.path.join(SCRIPTS, "make_zero_checkpoint.py")
+    results = run_ranks(script, [root, *specs], world_size=world_size, timeout=timeout)
+    done = [line for line in results[0].stdout.splitlines() if line.startswith("DONE ")]
+    if not done:
+        raise LaunchError("make_zero_checkpoint.py exited 0 without its DONE line", results)
+    return {item["name"]: item for item in json.loads(done[-1][len("DONE ") :])}

@@ -1,0 +1,373 @@
+"""Reading real DeepSpeed ZeRO checkpoints: zero_checkpoint.py, and the Python functions of consolidate.py.
+
+The checkpoints are written by real DeepSpeed on CPU (2 ranks, gloo) once per session; the reference is
+DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+
+import fsspec
+import pytest
+import torch
+from _launch import zero_checkpoints
+
+from stagesafe.consolidate import (
+    consolidate,
+    inspect_checkpoint,
+    load_zero_checkpoint,
+    load_zero_checkpoint_with_client_state,
+)
+from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, UnsafeCheckpointError
+from stagesafe.store import load_state_dict, verify
+from stagesafe.zero_checkpoint import open_zero_checkpoint
+
+pytestmark = pytest.mark.timeout(300)  # the first test pays for building the checkpoints (up to ~40 s cold)
+
+ALL = ("s1", "s2", "s3", "s1b", "s2b", "s3b", "lit")
+FROZEN = {"frozen.weight", "frozen.bias"}
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory):
+    return zero_checkpoints(str(tmp_path_factory.getbasetemp() / "zero"))
+
+
+def deepspeed_reference(path: str, tag: str | None = None, exclude_frozen: bool = False) -> dict[str, torch.Tensor]:
+    """DeepSpeed's own consolidation (it prints progress; keep the test output clean)."""
+    zero_to_fp32 = pytest.importorskip("deepspeed.utils.zero_to_fp32")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        return zero_to_fp32.get_fp32_state_dict_from_zero_checkpoint(path, tag, exclude_frozen)
+
+
+def copy_checkpoint(src: str, dst) -> str:
+    shutil.copytree(src, dst)
+    return str(dst)
+
+
+def assert_bit_equal(ours: dict, ref: dict) -> None:
+    for name, expected in ref.items():
+        got = ours[name]
+        assert got.dtype == expected.dtype, name
+        assert got.shape == expected.shape, name
+        assert torch.equal(got, expected), name
+
+
+# -- the values ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["w3s2", "w3s3"])
+def test_three_ranks_equal_deepspeed(tmp_path_factory, name):
+    """World size 3: other paddings (ZeRO-2 aligns groups to 2 * 3 elements, ZeRO-3 splits params in thirds)."""
+    built = zero_checkpoints(
+        str(tmp_path_factory.getbasetemp() / "zero3ranks"),
+        ("w3s2:stage=2,dtype=fp32", "w3s3:stage=3,dtype=fp32"),
+        world_size=3,
+    )
+    path = built[name]["path"]
+    with open_zero_checkpoint(path) as ckpt:
+        assert ckpt.world_size == 3
+    ours = load_zero_checkpoint(path)
+    ref = deepspeed_reference(path)
+    assert set(ours) == set(ref)
+    assert_bit_equal(ours, ref)
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_equals_deepspeed_bit_for_bit(ckpts, name):
+    path = ckpts[name]["path"]
+    ours = load_zero_checkpoint(path)
+    ref = deepspeed_reference(path)
+    assert_bit_equal(ours, ref)
+    # Same order as DeepSpeed's; stage 1 additionally keeps the frozen layer, which DeepSpeed drops.
+    assert [k for k in ours if k in ref] == list(ref)
+    extra = set(ours) - set(ref)
+    assert extra == (FROZEN if ckpts[name]["stage"] == 1 else set())
+    assert ours["head.weight"] is ours["embed.weight"]  # tied, as in DeepSpeed's dict
+
+
+def test_stage1_frozen_parameters_come_from_the_saved_module(ckpts):
+    """DeepSpeed's stage-1 checkpoint lists no frozen_param_shapes; the saved module holds the frozen layer."""
+    path = ckpts["s1"]["path"]
+    ours = load_zero_checkpoint(path)
+    module_file = os.path.join(path, "global_step2", "mp_rank_00_model_states.pt")
+    module = torch.load(module_file, weights_only=False)["module"]
+    for name in FROZEN:
+        assert torch.equal(ours[name], module[name])
+    # and frozen values equal those of stage 2/3, whose DeepSpeed reader returns them (same seed, never trained)
+    s2 = load_zero_checkpoint(ckpts["s2"]["path"])
+    for name in FROZEN:
+        assert torch.equal(ours[name], s2[name])
+
+
+@pytest.mark.parametrize("name", ["s2", "s3"])
+def test_exclude_frozen_equals_deepspeed(ckpts, name):
+    path = ckpts[name]["path"]
+    ours = load_zero_checkpoint(path, exclude_frozen=True)
+    ref = deepspeed_reference(path, exclude_frozen=True)
+    assert set(ours) == set(ref)
+    assert not FROZEN & set(ours)
+    assert_bit_equal(ours, ref)
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_dtype_is_deepspeeds_cast(ckpts, dtype, torch_dtype):
+    path = ckpts["s3"]["path"]
+    ours = load_zero_checkpoint(path, dtype=dtype)
+    ref = deepspeed_reference(path)
+    for name, tensor in ref.items():
+        expected = tensor.to(torch_dtype) if tensor.is_floating_point() else tensor
+        assert ours[name].dtype == expected.dtype
+        assert torch.equal(ours[name], expected), name
+    assert ours["counter"].dtype == torch.int64  # integer buffers keep their dtype
+
+
+def test_bad_dtype_is_refused(ckpts):
+    with pytest.raises(InvalidArgumentError, match="fp32, bf16, fp16"):
+        load_zero_checkpoint(ckpts["s3"]["path"], dtype="int8")
+
+
+# -- the description -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_describes_without_reading(ckpts, name):
+    info = ckpts[name]
+    ref = deepspeed_reference(info["path"])
+    with open_zero_checkpoint(info["path"]) as ckpt:
+        assert ckpt.stage == info["stage"]
+        assert ckpt.world_size == 2
+        assert ckpt.layout == ("lightning" if name == "lit" else "deepspeed")
+        assert ckpt.tag == ("checkpoint" if name == "lit" else "global_step2")
+        assert ckpt.aliases == {"head.weight": "embed.weight"}
+        for tensor_name, spec in ckpt.tensors.items():
+            if tensor_name in ref:
+                assert spec.shape == tuple(ref[tensor_name].shape)
+                assert spec.dtype == ref[tensor_name].dtype
+        kinds = {n: s.kind for n, s in ckpt.tensors.items()}
+        assert kinds["scale"] == kinds["counter"] == "buffer"
+        assert kinds["frozen.weight"] == "frozen" and kinds["embed.weight"] == "param"
+        assert "scratch" not in kinds  # a non-persistent buffer is not saved
+        assert ckpt.total_bytes == sum(s.nbytes for s in ckpt.tensors.values())
+
+
+def test_read_returns_tensors_of_their_own(ckpts):
+    """No view into the mapped rank files escapes: each tensor owns exactly its bytes."""
+    with open_zero_checkpoint(ckpts["s3"]["path"]) as ckpt:
+        tensors = dict(ckpt.iter_tensors())
+    for tensor in tensors.values():
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        tensor.add_(0)  # writable, and the files are closed
+
+
+def test_lightning_client_state(ckpts):
+    values, client = load_zero_checkpoint_with_client_state(ckpts["lit"]["path"])
+    assert set(values) >= {"embed.weight", "head.weight", "scale"}
+    assert client["global_step"] == 2 and client["epoch"] == 0
+    assert client["hyper_parameters"] == {"lr": 0.05, "hidden": 13}  # an AttributeDict, read as a dict
+    assert "callbacks" in client and "loops" in client
+    assert not {"module", "optimizer", "param_shapes", "ds_config", "buffer_names"} & set(client)
+
+
+# -- finding the checkpoint ------------------------------------------------------------------------------------
+
+
+def test_tag_folder_and_explicit_tag(ckpts):
+    path = ckpts["s2"]["path"]
+    ref = load_zero_checkpoint(path)
+    assert_bit_equal(load_zero_checkpoint(os.path.join(path, "global_step2")), ref)
+    assert_bit_equal(load_zero_checkpoint(path, tag="global_step2"), ref)
+
+
+def test_unknown_tag_lists_the_tags(ckpts):
+    with pytest.raises(CheckpointFormatError, match=r"no tag folder 'global_step9'.*\['global_step2'\]"):
+        open_zero_checkpoint(ckpts["s2"]["path"], tag="global_step9")
+    with pytest.raises(CheckpointFormatError, match="not a tag folder name"):
+        open_zero_checkpoint(ckpts["s2"]["path"], tag="../s3")
+
+
+def test_latest_naming_a_missing_tag(ckpts, tmp_path):
+    path = copy_checkpoint(ckpts["s2"]["path"], tmp_path / "c")
+    with open(os.path.join(path, "latest"), "w") as f:
+        f.write("global_step7")
+    with pytest.raises(CheckpointFormatError, match=r"no tag folder 'global_step7' \(named by its 'latest' file\)"):
+        open_zero_checkpoint(path)
+
+
+def test_without_latest_asks_for_a_tag(ckpts, tmp_path):
+    path = copy_checkpoint(ckpts["s2"]["path"], tmp_path / "c")
+    os.remove(os.path.join(path, "latest"))
+    with pytest.raises(CheckpointFormatError, match=r"no 'latest' file.*--tag.*\['global_step2'\]"):
+        open_zero_checkpoint(path)
+    assert set(load_zero_checkpoint(path, tag="global_step2")) >= {"embed.weight"}
+
+
+def test_not_a_checkpoint_says_what_was_expected(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(
+        CheckpointFormatError, match=r"is not a DeepSpeed checkpoint: expected a folder with a 'latest'"
+    ):
+        open_zero_checkpoint(str(tmp_path / "empty"))
+    with pytest.raises(CheckpointFormatError, match="does not exist"):
+        open_zero_checkpoint(str(tmp_path / "nowhere"))
+    (tmp_path / "weights.ckpt").write_bytes(b"x")
+    with pytest.raises(CheckpointFormatError, match="is a file, not a DeepSpeed checkpoint folder"):
+        open_zero_checkpoint(str(tmp_path / "weights.ckpt"))
+
+
+def test_parent_folder_suggests_its_checkpoints(ckpts):
+    parent = os.path.dirname(ckpts["s3"]["path"])
+    with pytest.raises(CheckpointFormatError, match=r"holds \d+ of them in sub-folders; pass one, e\.g\."):
+        open_zero_checkpoint(parent)
+
+
+def test_file_or_sub_folder_suggests_the_checkpoint(ckpts, tmp_path):
+    path = ckpts["s3"]["path"]
+    rank_file = os.path.join(path, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    with pytest.raises(
+        CheckpointFormatError, match=f"file inside a DeepSpeed checkpoint; pass the checkpoint folder '{path}'"
+    ):
+        open_zero_checkpoint(rank_file)
+    copy = copy_checkpoint(path, tmp_path / "c")
+    os.mkdir(os.path.join(copy, "global_step2", "extra"))
+    with pytest.raises(CheckpointFormatError, match="looks like a sub-folder of the checkpoint"):
+        open_zero_checkpoint(os.path.join(copy, "global_step2", "extra"))
+
+
+@pytest.mark.parametrize(
+    "name,remove",
+    [
+        ("s3", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ("s3", "zero_pp_rank_1_mp_rank_00_model_states.pt"),
+        ("s2", "zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+        ("s3b", "bf16_zero_pp_rank_1_mp_rank_00_optim_states.pt"),
+    ],
+)
+def test_missing_rank_file_is_named(ckpts, tmp_path, name, remove):
+    path = copy_checkpoint(ckpts[name]["path"], tmp_path / "c")
+    os.remove(os.path.join(path, "global_step2", remove))
+    with pytest.raises(CheckpointFormatError, match=rf"missing rank files \['{remove}'\].*written by 2 ranks"):
+        open_zero_checkpoint(path)
+
+
+def test_no_optimizer_files(ckpts, tmp_path):
+    path = copy_checkpoint(ckpts["s3"]["path"], tmp_path / "c")
+    for f in os.listdir(os.path.join(path, "global_step2")):
+        if f.endswith("_optim_states.pt"):
+            os.remove(os.path.join(path, "global_step2", f))
+    with pytest.raises(CheckpointFormatError, match=r"no '\*_optim_states.pt' files: it is not a ZeRO checkpoint"):
+        open_zero_checkpoint(path)
+
+
+def test_malicious_rank_file_is_refused_not_run(ckpts, tmp_path):
+    path = copy_checkpoint(ckpts["s3"]["path"], tmp_path / "c")
+    marker = tmp_path / "pwned"
+    target = os.path.join(path, "global_step2", "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    torch.save({"optimizer_state_dict": _Payload(f"touch {marker}")}, target)
+    with pytest.raises(UnsafeCheckpointError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt.*system"):
+        open_zero_checkpoint(path)
+    assert not marker.exists()
+
+
+class _Payload:
+    def __init__(self, command: str):
+        self.command = command
+
+    def __reduce__(self):
+        return (os.system, (self.command,))
+
+
+def test_remote_source_is_staged_and_cleaned(ckpts):
+    fs = fsspec.filesystem("memory")
+    fs.put(ckpts["s3"]["path"], "/remote-src/s3", recursive=True)
+    try:
+        ckpt = open_zero_checkpoint("memory://remote-src/s3")
+        staging = ckpt._staging_dir
+        with ckpt:
+            assert os.path.isdir(staging)
+            values = ckpt.load_state_dict()
+        assert not os.path.exists(staging)
+        assert_bit_equal(values, deepspeed_reference(ckpts["s3"]["path"]))
+    finally:
+        fs.rm("/remote-src", recursive=True)
+
+
+# -- consolidate() and inspect_checkpoint() --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["s1", "s2", "s3", "lit"])
+def test_consolidate_round_trip(ckpts, tmp_path, name):
+    dst = str(tmp_path / "out")
+    manifest = consolidate(ckpts[name]["path"], dst, max_shard_size=1024)
+    assert len(manifest["shards"]) > 1
+    assert manifest["aliases"] == {"head.weight": "embed.weight"}
+    assert manifest["metadata"]["source"]["zero_stage"] == ckpts[name]["stage"]
+    verify(dst)
+    assert_bit_equal(load_state_dict(dst), deepspeed_reference(ckpts[name]["path"]))
+
+
+def test_consolidate_workers_give_identical_shards(ckpts, tmp_path):
+    one = consolidate(ckpts["s3"]["path"], str(tmp_path / "one"), max_shard_size=600)
+    four = consolidate(ckpts["s3"]["path"], str(tmp_path / "four"), max_shard_size=600, workers=4)
+    assert one["shards"] == four["shards"]
+    assert one["weight_map"] == four["weight_map"]
+
+
+def test_consolidate_to_memory_url(ckpts):
+    try:
+        consolidate(ckpts["s2b"]["path"], "memory://consolidated/s2b", dtype="bf16")
+        values = load_state_dict("memory://consolidated/s2b")
+        ref = deepspeed_reference(ckpts["s2b"]["path"])
+        for name, tensor in ref.items():
+            expected = tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+            assert torch.equal(values[name], expected), name
+    finally:
+        fsspec.filesystem("memory").rm("/consolidated", recursive=True)
+
+
+def test_failed_consolidate_leaves_nothing(ckpts, tmp_path, monkeypatch):
+    from stagesafe import store
+
+    calls = []
+
+    def failing_write_shard(fs, root, file_name, tensors):
+        calls.append(file_name)
+        if len(calls) == 2:
+            raise OSError("disk full (simulated)")
+        return real(fs, root, file_name, tensors)
+
+    real = store.write_shard
+    monkeypatch.setattr(store, "write_shard", failing_write_shard)
+    dst = tmp_path / "out"
+    with pytest.raises(OSError, match="simulated"):
+        consolidate(ckpts["s3"]["path"], str(dst), max_shard_size=1024)
+    assert len(calls) == 2
+    assert not dst.exists()
+
+
+def test_consolidate_progress_bar(ckpts, tmp_path, capsys):
+    pytest.importorskip("tqdm")
+    consolidate(ckpts["s3"]["path"], str(tmp_path / "bar"), progress=True)
+    assert "consolidating global_step2" in capsys.readouterr().err
+    consolidate(ckpts["s3"]["path"], str(tmp_path / "quiet"))  # default: only on a terminal
+    assert capsys.readouterr().err == ""
+
+
+def test_inspect_checkpoint_both_kinds(ckpts, tmp_path):
+    zero = inspect_checkpoint(ckpts["s3"]["path"])
+    assert zero["kind"] == "deepspeed" and zero["zero_stage"] == 3 and zero["world_size"] == 2
+    rows = {r["name"]: r for r in zero["tensors"]}
+    assert rows["head.weight"]["alias_of"] == "embed.weight"
+    assert rows["embed.weight"]["shape"] == [37, 13] and rows["embed.weight"]["kind"] == "param"
+
+    dst = str(tmp_path / "out")
+    consolidate(ckpts["s3"]["path"], dst)
+    handoff = inspect_checkpoint(dst)
+    assert handoff["kind"] == "handoff"
+    assert handoff["totals"]["tensors"] == zero["totals"]["tensors"]
+    assert handoff["totals"]["elements"] == zero["totals"]["elements"]
+    assert {r["name"] for r in handoff["tensors"]} == set(rows)
