@@ -114,21 +114,34 @@ def list_files(fs: fsspec.AbstractFileSystem, root: str, *, kind: str = "file") 
     return [basename(e["name"]) for e in entries if e.get("type") == kind]
 
 
-def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes) -> None:
-    """Publish ``data`` at ``path`` so that no reader ever sees a partial file under that name.
+def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterable[bytes | memoryview]) -> None:
+    """Publish ``data`` (bytes, or chunks streamed one at a time) at ``path``; no reader sees a partial file.
 
-    Locally: write a temporary sibling, fsync, ``os.replace``. Object stores and ``memory://`` publish an
-    object in one PUT (s3fs: a multipart upload above 100 MiB, completed in one request or aborted), which is
-    atomic already, and have no cheap rename.
+    Locally: write a temporary sibling, fsync, ``os.replace``. Object stores and ``memory://`` publish an object
+    when its upload completes (s3fs: one PUT, or a multipart upload above its block size that is aborted, not
+    completed, when writing fails), and have no cheap rename.
     """
+    chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if not is_local(fs):
-        fs.pipe_file(path, data)
+        if isinstance(data, (bytes, bytearray)):
+            fs.pipe_file(path, bytes(data))
+            return
+        f = fs.open(path, "wb")
+        try:
+            for chunk in chunks:
+                f.write(chunk)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                f.discard()  # s3fs: abort the multipart upload instead of completing it
+            raise
+        f.close()
         return
     tmp = temp_name(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            for chunk in chunks:
+                f.write(chunk)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

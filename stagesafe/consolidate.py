@@ -257,9 +257,8 @@ def _write_shards(
     records: dict[str, store.ShardRecord] = {}
 
     def one(file_name: str) -> None:
-        tensors = plan.shard_tensors(file_name)  # reads this shard's tensors from the checkpoint, and only those
-        record = store.write_shard(fs, root, file_name, tensors)
-        del tensors
+        names = plan.shards[file_name]  # read from the checkpoint one tensor at a time, as the writer needs them
+        record = store.write_shard(fs, root, file_name, plan.state_dict, specs={n: plan.tensors[n] for n in names})
         with lock:
             records[file_name] = record
 

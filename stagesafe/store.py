@@ -22,11 +22,12 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import math
 import logging
 import platform
 import sys
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, TypeVar
@@ -159,15 +160,19 @@ def write_shard(
     file_name: str,
     tensors: Mapping[str, torch.Tensor],
     *,
+    specs: Mapping[str, Mapping[str, Any]] | None = None,
     retry: RetryPolicy | None = None,
 ) -> ShardRecord:
     """Write one shard file under ``root``, atomically, and return its hash and size for the manifest.
 
-    Holds one shard's bytes in memory at a time. Tensors are moved to the CPU and made contiguous; tensors whose
-    bytes overlap (views of one another) are written as independent copies, which safetensors requires. The
-    write (one PUT or multipart upload on an object store) is tried again on transient errors as ``retry`` says.
+    The bytes go straight from the tensors to the file, hashed on the way: no serialized copy of the shard.
+    Tensors are moved to the CPU and made contiguous; tensors whose bytes overlap (views of one another) are
+    written as independent copies, which safetensors requires. With ``specs`` (name -> ``{"dtype", "shape"}``,
+    as in ``HandoffPlan.tensors``) ``tensors`` may be a lazy mapping: each tensor is read only when its bytes
+    are due and dropped after, so memory holds one tensor. The write (one PUT or multipart upload on an object
+    store) is tried again on transient errors as ``retry`` says.
     """
-    return _write_shard(fs, root, file_name, tensors, retry=_check_retry(retry), stop=None)
+    return _write_shard(fs, root, file_name, tensors, specs=specs, retry=_check_retry(retry), stop=None)
 
 
 def _write_shard(
@@ -176,6 +181,7 @@ def _write_shard(
     file_name: str,
     tensors: Mapping[str, torch.Tensor],
     *,
+    specs: Mapping[str, Mapping[str, Any]] | None = None,
     retry: RetryPolicy,
     stop: threading.Event | None,
 ) -> ShardRecord:
@@ -183,18 +189,31 @@ def _write_shard(
         raise InvalidArgumentError(
             f"file_name={file_name!r} is not a shard name of the format; take it from a HandoffPlan"
         )
-    data = safetensors.torch.save(_prepare(tensors), metadata={"format": "pt"})  # "pt": transformers insists
-    record = ShardRecord(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+    if specs is None:
+        tensors = _prepare(tensors)
+        specs = {name: {"dtype": _dtype_name(t.dtype), "shape": list(t.shape)} for name, t in tensors.items()}
+    header, size = _safetensors_header(specs)
+    digests: list[str] = []
+
+    def stream() -> Iterator[bytes | memoryview]:
+        """The shard's bytes straight from the tensors (no serialized copy), hashed on the way out; a lazy
+        mapping is read one tensor at a time."""
+        digest = hashlib.sha256()
+        for chunk in _safetensors_chunks(header, specs, tensors):
+            digest.update(chunk)
+            yield chunk
+        digests.append(digest.hexdigest())
+
     path = join(root, file_name)
     _transfer(
-        lambda: write_atomic(fs, path, data),
+        lambda: write_atomic(fs, path, stream()),
         what=f"write shard {file_name!r} to {url_of(fs, root)!r}",
         retry=retry,
         stop=stop,
         hint=_UNCHANGED,
         writing=True,
     )
-    return record
+    return ShardRecord(sha256=digests[-1], size=size)
 
 
 def commit(
@@ -537,6 +556,46 @@ def _view_identity(tensor: torch.Tensor) -> tuple | None:
         tuple(tensor.stride()),
         tensor.dtype,
     )
+
+
+_SAFETENSORS_CODES = {torch_name: code for code, torch_name in SAFETENSORS_DTYPES.items()}
+
+
+def _nbytes(spec: Mapping[str, Any]) -> int:
+    return math.prod(spec["shape"]) * getattr(torch, spec["dtype"]).itemsize
+
+
+def _safetensors_header(specs: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, int]:
+    """The safetensors header (8-byte length + JSON, padded to 8) for tensors in this order, and the file size."""
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # "pt": transformers' loaders insist on it
+    offset = 0
+    for name, spec in specs.items():
+        nbytes = _nbytes(spec)
+        entries[name] = {
+            "dtype": _SAFETENSORS_CODES[spec["dtype"]],
+            "shape": list(spec["shape"]),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw, 8 + len(raw) + offset
+
+
+def _safetensors_chunks(
+    header: bytes, specs: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor]
+) -> Iterator[bytes | memoryview]:
+    yield header
+    for name, spec in specs.items():
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        if _dtype_name(tensor.dtype) != spec["dtype"] or list(tensor.shape) != list(spec["shape"]):
+            raise InvalidArgumentError(
+                f"tensor {name!r} is {_dtype_name(tensor.dtype)}{list(tensor.shape)} but was planned as "
+                f"{spec['dtype']}{list(spec['shape'])}; the state dict changed while it was being written"
+            )
+        if tensor.numel():
+            yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        del tensor
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

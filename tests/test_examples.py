@@ -26,3 +26,58 @@ def test_stage_sequence_demo(tmp_path):
         assert cells[5] == "yes"  # the clean check passed
         assert cells[6:] == ["4096", "x", "torch.float32"]  # real weights in the original dtype
     assert "module.state_dict() == handoff, bitwise: True" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_lightning_cli_class_path_example(tmp_path):
+    """``python examples/lightning_cli.py fit --config examples/lightning_cli_class_path.yaml``, one override."""
+    handoff = str(tmp_path / "handoff")
+    result = run_script(
+        os.path.join(EXAMPLES, "lightning_cli.py"),
+        ["fit", "--config", os.path.join(EXAMPLES, "lightning_cli_class_path.yaml"),
+         f"--trainer.strategy.init_args.handoff_uri={handoff}", f"--trainer.default_root_dir={tmp_path}"],
+        timeout=200, cwd=str(tmp_path),
+    )
+    assert "strategy: StageSafeDeepSpeedStrategy (ZeRO stage 3, 2 ranks)" in result.stdout
+    assert f"handoff: {handoff} (1 shard(s), written by 'fit' at step 8)" in result.stdout
+    loss = float(result.stdout.split("test_loss:")[1].split()[0])
+    assert 0 < loss < 4.62  # below chance (ln 101): test ran on the trained weights, not an empty module
+
+
+@pytest.mark.timeout(240)
+def test_hf_transformers_example(tmp_path):
+    pytest.importorskip("transformers")
+    result = run_script(
+        os.path.join(EXAMPLES, "hf_transformers.py"), ["--out", str(tmp_path)], timeout=200, cwd=str(tmp_path),
+        env={"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf_home")},  # nothing may come from the Hub
+    )
+    assert "trained 2 steps of a 26784-parameter Llama with ZeRO-3 on 2 x cpu" in result.stdout
+    assert "from_pretrained(handoff, key_mapping=...): same weights True" in result.stdout
+    assert "(7 shards + config.json): same weights True" in result.stdout
+    assert "same logits: True" in result.stdout
+    assert sorted(os.listdir(tmp_path / "hf_model"))[:2] == ["config.json", "model-00001-of-00007.safetensors"]
+
+
+@pytest.mark.timeout(300)
+def test_cloud_handoff_example_two_jobs_through_s3(s3, tmp_path):
+    """Job A (2 ranks) fits and writes s3://; job B, a new process with 1 rank, resumes from it and tests."""
+    script = os.path.join(EXAMPLES, "cloud_handoff.py")
+    trained, tested = s3.new_url("handoff"), s3.new_url("tested")
+    endpoint = ["--endpoint-url", s3.endpoint_url]
+    job_a = run_script(
+        script, ["train", "--handoff-uri", trained, *endpoint, "--root", str(tmp_path / "a")], timeout=200,
+        cwd=str(tmp_path),
+    )
+    assert f"job A: fit on 2 ranks wrote {trained} at step 16" in job_a.stdout
+    assert "sha256 verified" in job_a.stdout
+    assert "stagesafe.json" in s3.objects(trained)  # committed in the store, not on a local disk
+
+    job_b = run_script(
+        script, ["test", "--resume-from", trained, "--handoff-uri", tested, *endpoint, "--root", str(tmp_path / "b")],
+        timeout=200, cwd=str(tmp_path),
+    )
+    assert f"job B: resumed from {trained} on 1 rank(s)" in job_b.stdout
+    assert "module == restore(TinyLM(), handoff), bitwise: True" in job_b.stdout
+    loss = float(job_b.stdout.split("test_loss ")[1].split(";")[0])
+    assert loss < 3.0  # trained weights (a fresh init scores about ln(101) = 4.6)
+    assert "stagesafe.json" in s3.objects(tested)

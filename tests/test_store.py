@@ -467,3 +467,27 @@ def test_empty_state_dict_and_pathlike(tmp_path):
     assert manifest["shards"] == {} and load_state_dict(str(tmp_path / "h")) == {}
     assert json.loads((tmp_path / "h" / INDEX).read_text()) == {"metadata": {"total_size": 0}, "weight_map": {}}
     verify(str(tmp_path / "h"))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_parallel_transfers_round_trip_and_name_the_first_damaged_shard(url, workers):
+    sd = model_dict(7, n=8)
+    manifest = save_state_dict(sd, url, max_shard_size=400, workers=workers)
+    shards = list(manifest["shards"])
+    assert len(shards) == 8
+    assert_bitwise_equal(load_state_dict(url, workers=workers), sd)
+    assert verify(url, workers=workers) == manifest
+    for name in (shards[6], shards[2]):
+        _flip_byte(url, name)
+    for reader in (verify, load_state_dict):  # the same shard as a loop over the shards would name
+        with pytest.raises(HandoffCorruptError, match=f"shard '{shards[2]}' has sha256"):
+            reader(url, workers=workers)
+
+
+def test_workers_and_retry_arguments_are_checked(url):
+    for bad in (0, -1, True, 2.0):
+        with pytest.raises(InvalidArgumentError, match="workers="):
+            save_state_dict(model_dict(1), url, workers=bad)
+    with pytest.raises(InvalidArgumentError, match="must be a stagesafe.store.RetryPolicy"):
+        load_state_dict(url, retry=3)
+    assert files(url) == set()

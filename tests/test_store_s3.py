@@ -142,6 +142,18 @@ def test_a_missing_bucket_is_named(s3):
         load_state_dict(url, storage_options=opts)
 
 
+def test_not_found_hints_on_s3(s3):
+    url, opts = s3.new_url(), s3.storage_options()
+    with pytest.raises(HandoffNotFoundError, match="Is this the right folder"):
+        load_state_dict(url, storage_options=opts)
+    save_state_dict(model_dict(1), url, storage_options=opts)
+    s3.put(url, "sub/notes.txt", b"x")
+    with pytest.raises(HandoffNotFoundError, match=r"sub-folder of the handoff .*: pass its parent"):
+        read_manifest(f"{url}/sub", storage_options=opts)
+    with pytest.raises(HandoffNotFoundError, match=r"sub-folders \['handoff'\] hold handoffs"):
+        read_manifest(url.rsplit("/", 1)[0], storage_options=opts)
+
+
 def test_server_errors_are_retried_and_access_denied_is_not(s3, caplog):
     url, opts = s3.new_url(), s3.storage_options()
     sd = model_dict(1, n=4)

@@ -334,11 +334,11 @@ def test_failed_consolidate_leaves_nothing(ckpts, tmp_path, monkeypatch):
 
     calls = []
 
-    def failing_write_shard(fs, root, file_name, tensors):
+    def failing_write_shard(fs, root, file_name, tensors, **options):
         calls.append(file_name)
         if len(calls) == 2:
             raise OSError("disk full (simulated)")
-        return real(fs, root, file_name, tensors)
+        return real(fs, root, file_name, tensors, **options)
 
     real = store.write_shard
     monkeypatch.setattr(store, "write_shard", failing_write_shard)

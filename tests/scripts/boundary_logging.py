@@ -19,10 +19,11 @@ logging.basicConfig(
     filename=os.path.join(OUT, f"rank{RANK}.log"), level=logging.INFO, format="%(levelname)s %(name)s %(message)s"
 )
 
-import lightning.pytorch as pl  # noqa: E402
-from toy import ToyModule, dataloader  # noqa: E402
+# Imported after logging is configured, as an application does.
+import lightning.pytorch as pl
+from toy import ToyModule, dataloader
 
-import stagesafe  # noqa: E402
+import stagesafe
 
 pl.seed_everything(0, verbose=False)
 model = ToyModule()
