@@ -1,12 +1,18 @@
-"""Stage-boundary cost of StageSafeDeepSpeedStrategy against ``safetensors.torch.save_file``, in one run.
+"""Stage-boundary cost of StageSafeDeepSpeedStrategy against its peers and the hardware, in one run.
 
 Reproduce (CPU, 2 processes, about 100M parameters):
     DS_ACCELERATOR=cpu python benchmarks/bench_boundary.py --layers 6 --width 4096
-On GPUs: python benchmarks/bench_boundary.py --accelerator gpu --layers 6 --width 4096
+On two GPUs, about 1.3B parameters:
+    python benchmarks/bench_boundary.py --accelerator gpu --layers 20 --width 8192
 
-A fit of one step then a test, on one module. For each boundary it reports the time entering the stage
-(first handoff) and leaving it (consolidate + publish + destroy + restore), and divides by the time
-``safetensors.torch.save_file`` takes to write the same state dict to the same disk, measured right after.
+A fit of one step, then a test, on one module (bf16-mixed, ZeRO-3). Measured side by side in the same run:
+- stagesafe: entering the stage (first handoff), and leaving it, split into consolidate (fp32 masters
+  gathered to host), destroy, restore, and the durable handoff write that runs in the background;
+- the Accelerate path: ``engine._zero3_consolidated_16bit_state_dict()`` + ``safetensors.torch.save_file``
+  (16-bit weights only), timed on the live engine at the end of training;
+- ``safetensors.torch.save_file`` of the fp32 state dict the module ends with, to the same disk;
+- the floor: fp32 model bytes divided by the device-to-host bandwidth measured here (on the CPU: memcpy);
+- the disk's write bandwidth (write + fsync of the same number of bytes).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import time
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
 from safetensors.torch import save_file
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -43,6 +50,63 @@ class Wide(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=1e-3)
 
 
+class AcceleratePath(Callback):
+    """At the end of training, with the engine alive: Accelerate's way of getting the weights out."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.gather = self.save = 0.0
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        engine = trainer.strategy.model
+        dist.barrier()
+        start = time.perf_counter()
+        state = engine._zero3_consolidated_16bit_state_dict()
+        dist.barrier()
+        self.gather = time.perf_counter() - start
+        if dist.get_rank() == 0:
+            start = time.perf_counter()
+            save_file({k: v.contiguous() for k, v in state.items()}, self.path)
+            self.save = time.perf_counter() - start
+            os.remove(self.path)
+        del state
+
+
+def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]:
+    """Seconds to copy ``nbytes`` to host memory (pinned, on GPUs), and the bandwidth in GB/s."""
+    if accelerator == "gpu":
+        src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda")
+        dst = torch.empty(nbytes // 4, dtype=torch.float32, pin_memory=True)
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+    else:
+        src = torch.ones(nbytes // 4, dtype=torch.float32)
+        dst = torch.empty_like(src)
+        dst.copy_(src)
+        start = time.perf_counter()
+        dst.copy_(src)
+    seconds = time.perf_counter() - start
+    return seconds, nbytes / seconds / 1e9
+
+
+def disk_write_seconds(nbytes: int, folder: str) -> float:
+    """Write + fsync ``nbytes`` in 64 MB blocks: what the disk sustains for a durable write."""
+    block = memoryview(os.urandom(64 * 2**20))
+    path = os.path.join(folder, "disk-probe.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        for offset in range(0, nbytes, len(block)):
+            f.write(block[: min(len(block), nbytes - offset)])
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    os.remove(path)
+    return seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
@@ -52,22 +116,24 @@ def main() -> None:
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-boundary"))
     args = parser.parse_args()
+    os.makedirs(args.root, exist_ok=True)
 
     torch.manual_seed(0)
     model = Wide(args.layers, args.width)
     n_params = sum(p.numel() for p in model.parameters())
     data = DataLoader(TensorDataset(torch.randn(4, args.width)), batch_size=2)
     strategy = StageSafeDeepSpeedStrategy(stage=3, handoff_uri=os.path.join(args.root, "handoff"))
+    accelerate = AcceleratePath(os.path.join(args.root, "accelerate.safetensors"))
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, default_root_dir=args.root,
+        enable_model_summary=False, default_root_dir=args.root, callbacks=[accelerate],
     )
     rows = []
     for stage in ("fit", "test"):
         getattr(trainer, stage)(model, data)
         report = strategy.last_boundary
-        rows.append((stage, report.enter_seconds, report.seconds, report.wrote, dict(report.phases)))
+        rows.append((stage, report.enter_seconds, dict(report.phases), report.wrote))
 
     if dist.get_rank() != 0:
         return
@@ -78,16 +144,30 @@ def main() -> None:
     save_file(state, baseline_path)
     baseline = time.perf_counter() - start
     os.remove(baseline_path)
+    d2h, bandwidth = device_to_host_seconds(nbytes, args.accelerator)
+    disk = disk_write_seconds(nbytes, args.root)
 
-    print(f"\nmodel: {n_params / 1e6:.1f}M parameters, {nbytes / 1e6:.0f} MB fp32; world size {args.devices}; "
-          f"{args.accelerator}, {args.precision}; torch {torch.__version__}")
-    print(f"baseline safetensors.torch.save_file of the same state dict: {baseline:.3f} s "
-          f"({nbytes / baseline / 1e9:.2f} GB/s)\n")
-    print("| stage | enter (s) | enter / save_file | leave (s) | leave / save_file | handoff written | leave phases (s) |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
-    for stage, enter, leave, wrote, phases in rows:
+    print(f"\nmodel: {n_params / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB fp32; {args.devices} x {args.accelerator}, "
+          f"{args.precision}; torch {torch.__version__}")
+    print(f"floor (fp32 bytes / device-to-host {bandwidth:.1f} GB/s): {d2h:.3f} s; disk write+fsync: {disk:.3f} s "
+          f"({nbytes / disk / 1e9:.2f} GB/s); save_file (page cache, no fsync): {baseline:.3f} s\n")
+    print("| path | blocks before the module is usable (s) | / floor | until the weights are on disk (s) |")
+    print("| --- | --- | --- | --- |")
+    acc_total = accelerate.gather + accelerate.save
+    print(f"| Accelerate: 16-bit gather {accelerate.gather:.3f} + save_file {accelerate.save:.3f} | {acc_total:.3f} | "
+          f"{acc_total / d2h:.1f}x | {acc_total:.3f} (16-bit only, no fsync) |")
+    for stage, enter, phases, wrote in rows:
+        usable = sum(v for k, v in phases.items() if k not in ("publish_wait", "handoff_write"))
+        total = usable + phases.get("publish_wait", 0.0)
         detail = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
-        print(f"| {stage} | {enter:.3f} | {enter / baseline:.2f}x | {leave:.3f} | {leave / baseline:.2f}x | {wrote} | {detail} |")
+        print(f"| stagesafe leaving {stage} ({detail}) | {usable:.3f} | {usable / d2h:.1f}x | {total:.3f}"
+              f"{' (fp32, fsync)' if wrote else ' (nothing to write)'} |")
+        if stage == "fit":
+            print(f"| stagesafe entering {stage} (first handoff, fp32, fsync) | {enter:.3f} | {enter / d2h:.1f}x | {enter:.3f} |")
+    write = rows[0][2].get("handoff_write", 0.0)
+    print(f"\nhandoff write after fit: {write:.3f} s = {nbytes / max(write, 1e-9) / 1e9:.2f} GB/s, "
+          f"{disk / max(write, 1e-9) * 100:.0f}% of the disk's write+fsync bandwidth; "
+          f"handoff write / save_file: {write / baseline:.2f}x")
     print(f"\nreproduce: python benchmarks/bench_boundary.py --layers {args.layers} --width {args.width} "
           f"--accelerator {args.accelerator} --devices {args.devices} --precision {args.precision}")
 

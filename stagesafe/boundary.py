@@ -296,6 +296,13 @@ class StageBoundary:
         return load_state_dict(self.target.uri, storage_options=self.target.storage_options)
 
     def _publish(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
+        start = time.perf_counter()
+        try:
+            return self._write(values, metadata)
+        finally:
+            self.report.phases["handoff_write"] = time.perf_counter() - start  # on rank 0, perhaps in a thread
+
+    def _write(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
         dtypes = {n: str(record_dtype).replace("torch.", "") for n, (record_dtype, _) in _RECORDS[self.module].original.items()}
         return save_state_dict(
             values,
