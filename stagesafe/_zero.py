@@ -228,6 +228,7 @@ def _comm_device(group: Any) -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
+@torch.no_grad()
 def _zero3_masters_bucketed(
     params: list[tuple[str, nn.Parameter]], bucket_elems: int
 ) -> Iterator[tuple[str, torch.Tensor]]:

@@ -35,7 +35,7 @@ class HandoffTarget:
 
     uri: str
     storage_options: Mapping[str, Any] | None = None
-    max_shard_size: int | str = "5GB"
+    max_shard_size: int | str = "1GB"
 
 
 @dataclass
@@ -46,6 +46,7 @@ class BoundaryReport:
     uri: str
     seconds: float = 0.0  # leaving the stage: consolidate, publish, destroy, restore
     enter_seconds: float = 0.0  # entering it: clean check, and the first handoff when one was needed
+    enter_wrote: bool = False  # entering it wrote a handoff (the module's weights were not in one yet)
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step of leaving
     wrote: bool = False
     handoff_bytes: int = 0
@@ -187,6 +188,7 @@ class StageBoundary:
             record.handoff_bytes = int(manifest["total_size"]) if manifest else 0
             record.target = self.target
             record.fingerprint = _fingerprint(tensors)
+            self.report.enter_wrote = True
         self._footprint = _zero.take_footprint(self.module)
         self._entry = tensors
         self._entry_fingerprint = _fingerprint(tensors)

@@ -23,6 +23,7 @@ import hashlib
 import importlib.metadata
 import json
 import math
+import os
 import logging
 import platform
 import sys
@@ -81,7 +82,8 @@ log = logging.getLogger(__name__)
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
 _CHUNK = 16 * 1024 * 1024  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
-_REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem; 1 on a local disk
+_LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
+_REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
 _UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"
 T = TypeVar("T")
 
@@ -422,8 +424,8 @@ class _ShardVanished(Exception):
 
 
 def _check_workers(workers: Any, fs: fsspec.AbstractFileSystem) -> int:
-    if workers is None:
-        return 1 if is_local(fs) else _REMOTE_WORKERS
+    if workers is None:  # local disks too: hashing (sha256) bounds one writer, and it runs outside the GIL
+        return min(_LOCAL_WORKERS, os.cpu_count() or 1) if is_local(fs) else _REMOTE_WORKERS
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={workers!r} must be a positive int: the shards transferred at once")
     return workers

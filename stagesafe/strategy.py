@@ -41,7 +41,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     Args:
         handoff_uri: fsspec URL of the handoff folder; default ``<default_root_dir>/stagesafe_handoff``.
         storage_options: passed to fsspec for ``handoff_uri`` (credentials, endpoint, ...).
-        max_shard_size: largest safetensors shard, e.g. ``"5GB"`` or a byte count.
+        max_shard_size: largest safetensors shard, e.g. ``"5GB"`` or a byte count. Smaller shards are hashed
+            and written in parallel.
         resume_from: fsspec URL of a handoff (from an earlier job, any world size) whose weights a module
             takes before its first stage under stagesafe; read with ``storage_options``.
     """
@@ -53,7 +54,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         *args: Any,
         handoff_uri: Optional[str] = None,
         storage_options: Optional[Mapping[str, Any]] = None,
-        max_shard_size: Union[int, str] = "5GB",
+        max_shard_size: Union[int, str] = "1GB",
         resume_from: Optional[str] = None,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
@@ -208,7 +209,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 report.stage,
                 report.seconds,
                 report.phases.get("publish_wait", 0.0),
-                "written" if report.wrote else "unchanged",
+                "written" if report.wrote else ("written on entry" if report.enter_wrote else "unchanged"),
                 report.uri,
                 report.handoff_bytes / 1e6,
                 "" if report.clean else f"; NOT clean: {report.stale_problems}",
