@@ -175,10 +175,6 @@ def iter_consolidated(
     seen: dict[int, str] = {}
     pending: list[tuple[str, nn.Parameter]] = []
     pending_bytes = 0
-    bucketed = [(n, p) for n, p in _unique(params) if _is_zero3_param(p) and has_fp32_master(p)]
-    for name, master in _zero3_masters_bucketed(bucketed, bucket_bytes // 4):
-        yield name, to_dtype(name, master), True
-    seen.update((id(p), n) for n, p in bucketed)
 
     def flush() -> Iterator[tuple[str, torch.Tensor, bool]]:
         with _gathered([p for _, p in pending]):
@@ -204,95 +200,6 @@ def iter_consolidated(
         yield from flush()
     for name, buf in buffers.items():
         yield name, to_dtype(name, buf.detach().to("cpu", copy=True)), False
-
-
-def _unique(params: Mapping[str, nn.Parameter]) -> list[tuple[str, nn.Parameter]]:
-    """Each parameter once, under its first name (tied parameters share one object)."""
-    seen: set[int] = set()
-    out = []
-    for name, param in params.items():
-        if id(param) not in seen:
-            seen.add(id(param))
-            out.append((name, param))
-    return out
-
-
-def _comm_device(group: Any) -> torch.device:
-    """Where a collective on ``group`` wants its tensors: the CPU for gloo, the accelerator otherwise."""
-    import torch.distributed as dist
-
-    if dist.get_backend(group) == "gloo":
-        return torch.device("cpu")
-    from deepspeed.accelerator import get_accelerator
-
-    return torch.device(get_accelerator().current_device_name())
-
-
-@torch.no_grad()
-def _zero3_masters_bucketed(
-    params: list[tuple[str, nn.Parameter]], bucket_elems: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full fp32 masters of ZeRO-3 parameters from a few large all-gathers of the optimizer's flat partitions.
-
-    Each rank's fp32 partition of a parameter group is one flat tensor in which every parameter owns the same
-    padded slice on every rank (``grad_position``). Gathering the flat tensors in buckets of ``bucket_elems``
-    replaces one collective per parameter with one per bucket; the gather of bucket i+1 is in flight while
-    bucket i is copied to the host. Yields each parameter as soon as its last slice has arrived.
-    """
-    if not params:
-        return
-    import torch.distributed as dist
-
-    optimizer = params[0][1]._z3_optimizer
-    group = optimizer.dp_process_group
-    members = dist.get_process_group_ranks(group)
-    world = dist.get_world_size(group)
-    device = _comm_device(group)
-    layout: dict[int, list[tuple[int, int, str, nn.Parameter]]] = {}
-    for name, param in params:
-        partition_group = optimizer._get_param_partition_group(param)
-        if partition_group is not group and dist.get_process_group_ranks(partition_group) != members:
-            import deepspeed.utils  # partitioned over another group (hpZ, MiCS): gathered one by one
-
-            yield name, deepspeed.utils.safe_get_full_fp32_param(param).detach().to("cpu").reshape(param.ds_shape)
-            continue
-        group_index, offset, numel = optimizer.grad_position[optimizer.get_param_id(param)]
-        layout.setdefault(group_index, []).append((offset, numel, name, param))
-    for group_index, entries in sorted(layout.items()):
-        entries.sort(key=lambda e: e[0])
-        swapped = optimizer._swappable_optimizer_subgroup(group_index)
-        if swapped:
-            optimizer._optimizer_states_and_gradient_swap_in(group_index)
-        flat = optimizer.fp32_partitioned_groups_flat[group_index].detach()
-        end = max(offset + numel for offset, numel, _, _ in entries)
-        full: dict[str, torch.Tensor] = {}
-        next_entry = 0
-
-        def gather(start: int):
-            length = min(bucket_elems, end - start)
-            local = flat.narrow(0, start, length).to(device)
-            out = torch.empty(world * length, dtype=flat.dtype, device=device)
-            work = dist.all_gather_into_tensor(out, local, group=group, async_op=True)
-            return start, length, out, work
-
-        in_flight = gather(0) if end else None
-        while in_flight is not None:
-            start, length, out, work = in_flight
-            in_flight = gather(start + length) if start + length < end else None
-            work.wait()
-            host = out.view(world, length).to("cpu")
-            while next_entry < len(entries) and entries[next_entry][0] < start + length:
-                offset, numel, name, param = entries[next_entry]
-                target = full.setdefault(name, torch.empty(world, numel, dtype=flat.dtype))
-                lo, hi = max(start, offset), min(start + length, offset + numel)
-                target[:, lo - offset : hi - offset] = host[:, lo - start : hi - start]
-                if offset + numel > start + length:
-                    break  # the rest of this parameter arrives with the next bucket
-                value = full.pop(name).reshape(-1).narrow(0, 0, param.ds_numel).reshape(param.ds_shape)
-                yield name, value
-                next_entry += 1
-        if swapped:
-            optimizer._release_swap_buffers(group_index)
 
 
 def _full_shape(param: torch.Tensor) -> torch.Size:
