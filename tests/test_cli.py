@@ -222,12 +222,14 @@ def test_usage_errors_exit_2(capsys):
 
 
 def test_unexpected_error_is_one_line_exit_1_or_a_traceback_when_asked(ckpts, tmp_path, capsys, monkeypatch):
-    import stagesafe.consolidate
+    import importlib
+
+    consolidate_module = importlib.import_module("stagesafe.consolidate")  # the package exports a function of that name
 
     def broken(*args, **kwargs):
         raise RuntimeError("backend said no")
 
-    monkeypatch.setattr(stagesafe.consolidate, "consolidate", broken)
+    monkeypatch.setattr(consolidate_module, "consolidate", broken)
     code, _, err = run(capsys, "consolidate", ckpts["s3"]["path"], str(tmp_path / "out"))
     assert code == 1
     assert_one_error_line(err, "RuntimeError: backend said no", "--traceback")
