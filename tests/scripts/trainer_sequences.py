@@ -70,6 +70,11 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
     """The failures users hit, each as a case; run with "stock" they show the failure, with "stagesafe" the fix."""
     user_config = {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
     inference_config = {"zero_optimization": {"stage": 3}}  # valid for inference: no optimizer to allow
+    offload_config = {  # ZeRO-3 with parameters and optimizer offloaded to the CPU, a client optimizer (SGD)
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
     cases = [
         {"name": "demo", "stages": ["validate", "fit", "test", "predict"]},
         {"name": "hooks", "stages": ["fit", "fit", "validate", "fit"]},
@@ -83,6 +88,7 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "config_reuse", "stages": ["fit", "fit"], "trainer": "per_call", "user_config": user_config},
         {"name": "config_inference", "stages": ["validate", "test", "predict"], "user_config": inference_config},
         {"name": "save_between_stages", "stages": ["fit", "save@{root}/final.ckpt", "test@{root}/final.ckpt"]},
+        {"name": "offload", "stages": ["fit", "test", "fit"], "user_config": offload_config},
         {"name": "zero_stage_1", "stages": ["fit", "test", "fit"], "zero_stage": 1},
         {"name": "zero_stage_2", "stages": ["fit", "test", "fit"], "zero_stage": 2},
         {"name": "default_handoff", "stages": ["fit", "test"], "default_handoff": True},
