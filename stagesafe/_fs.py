@@ -7,6 +7,7 @@ Paths are ``str`` URLs resolved once with ``fsspec.core.url_to_fs``; paths on a 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 import importlib.util
 import os
 import re

@@ -95,7 +95,9 @@ def find_stale_state(module: nn.Module) -> list[str]:
     problems: list[str] = []
     for name, sub in module.named_modules():
         label = name or "<root>"
-        ds_attrs = sorted(k for k in vars(sub) if k.startswith("ds_") or k in ("_external_params", "_original_parameters"))
+        ds_attrs = sorted(
+            k for k in vars(sub) if k.startswith("ds_") or k in ("_external_params", "_original_parameters")
+        )
         if ds_attrs:
             problems.append(f"module {label!r} carries DeepSpeed attributes {ds_attrs}")
         if type(sub._parameters).__module__.startswith("deepspeed"):
@@ -286,9 +288,7 @@ def destroy_engine(engine: Any) -> None:
     engine.destroy()
 
 
-def strip_deepspeed_state(
-    module: nn.Module, footprint: ModuleFootprint | None
-) -> None:
+def strip_deepspeed_state(module: nn.Module, footprint: ModuleFootprint | None) -> None:
     """Take the module back to plain PyTorch: drop every attribute, hook and container DeepSpeed added.
 
     Attributes and hooks present in ``footprint`` (taken before the engine) are the user's and are kept;

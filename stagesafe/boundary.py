@@ -179,19 +179,19 @@ class StageBoundary:
         if record is None:
             record = _ModuleRecord(original={n: (t.dtype, t.device) for n, t in tensors.items()})
             _RECORDS[self.module] = record
-        current = record.target == self.target and record.fingerprint == _fingerprint(tensors)
-        if not current:
+        fingerprint = _fingerprint(tensors)
+        if record.target != self.target or record.fingerprint != fingerprint:
             cpu = {n: t.to("cpu") for n, t in tensors.items()}
             manifest = _dist.on_rank_zero(
                 lambda: self._publish(cpu, {**metadata, "stage": f"before {self.stage}"}), "writing the first handoff"
             )
             record.handoff_bytes = int(manifest["total_size"]) if manifest else 0
             record.target = self.target
-            record.fingerprint = _fingerprint(tensors)
+            record.fingerprint = fingerprint
             self.report.enter_wrote = True
         self._footprint = _zero.take_footprint(self.module)
         self._entry = tensors
-        self._entry_fingerprint = _fingerprint(tensors)
+        self._entry_fingerprint = fingerprint
         self.report.enter_seconds = time.perf_counter() - start
 
     def engine_built(self, *, training: bool) -> None:
@@ -203,7 +203,9 @@ class StageBoundary:
             # The masters now hold the trainable values; keep only what the engine cannot give back exactly.
             self._entry = {n: t for n, t in self._entry.items() if n not in masters}
 
-    def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
+    def checkpoint_loaded(
+        self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
+    ) -> None:
         """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""
         _zero.load_values_into_engine(engine_module, values, set_masters=training)
         self._loaded = dict(values)
@@ -226,7 +228,11 @@ class StageBoundary:
             if engine is not None and trained:
                 values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
             elif self._loaded is not None:
-                values = {n: v.detach().to("cpu", record.original[n][0]) for n, v in self._loaded.items() if n in record.original}
+                values = {
+                    n: v.detach().to("cpu", record.original[n][0])
+                    for n, v in self._loaded.items()
+                    if n in record.original
+                }
         except BaseException as exc:  # noqa: BLE001 - the module falls back to the last handoff, then we raise
             failure, values = exc, None
         mark("consolidate")
@@ -242,7 +248,9 @@ class StageBoundary:
                 record.pending = _start_in_background(lambda: self._publish(publish_values, publish_meta))
             else:
                 try:
-                    manifest = _dist.on_rank_zero(lambda: self._publish(publish_values, publish_meta), "writing the handoff")
+                    manifest = _dist.on_rank_zero(
+                        lambda: self._publish(publish_values, publish_meta), "writing the handoff"
+                    )
                     record.handoff_bytes = int(manifest["total_size"]) if manifest else record.handoff_bytes
                 except BaseException as exc:  # noqa: BLE001 - the module still gets the new weights; then we raise
                     failure, published = failure or exc, False
@@ -292,8 +300,9 @@ class StageBoundary:
 
     def _unchanged_values(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
         """After a stage that changed nothing: the entry tensors if untouched, else the handoff itself."""
-        entry = self._entry
-        if entry is not None and _fingerprint(entry) == {n: self._entry_fingerprint[n] for n in entry} and set(entry) == set(record.original):
+        entry, before = self._entry, self._entry_fingerprint or {}
+        untouched = entry is not None and _fingerprint(entry) == {n: before.get(n) for n in entry}
+        if untouched and set(entry) == set(record.original):
             return entry
         return load_state_dict(self.target.uri, storage_options=self.target.storage_options)
 
@@ -305,7 +314,10 @@ class StageBoundary:
             self.report.phases["handoff_write"] = time.perf_counter() - start  # on rank 0, perhaps in a thread
 
     def _write(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
-        dtypes = {n: str(record_dtype).replace("torch.", "") for n, (record_dtype, _) in _RECORDS[self.module].original.items()}
+        dtypes = {
+            n: str(record_dtype).replace("torch.", "")
+            for n, (record_dtype, _) in _RECORDS[self.module].original.items()
+        }
         return save_state_dict(
             values,
             self.target.uri,

@@ -220,7 +220,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
         for stage in (1, 2, 3):
             strategy_registry.register(
-                f"stagesafe_deepspeed_stage_{stage}", cls, description=f"stagesafe: DeepSpeed ZeRO stage {stage}", stage=stage
+                f"stagesafe_deepspeed_stage_{stage}",
+                cls,
+                description=f"stagesafe: DeepSpeed ZeRO stage {stage}",
+                stage=stage,
             )
         strategy_registry.register(
             "stagesafe_deepspeed_stage_2_offload",
