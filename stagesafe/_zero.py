@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 __all__ = [
+    "GatheredValues",
+    "full_specs",
+    "partition_from_values",
     "ModuleFootprint",
     "take_footprint",
     "find_stale_state",
@@ -202,6 +205,97 @@ def iter_consolidated(
         yield from flush()
     for name, buf in buffers.items():
         yield name, to_dtype(name, buf.detach().to("cpu", copy=True)), False
+
+
+def full_specs(module: nn.Module) -> tuple[dict[str, tuple[torch.Size, torch.dtype]], dict[str, str]]:
+    """Full shape and dtype of every state-dict tensor of a live engine's module, and the tied-name aliases."""
+    params, buffers = _named_tensors(module)
+    specs: dict[str, tuple[torch.Size, torch.dtype]] = {}
+    aliases: dict[str, str] = {}
+    first: dict[int, str] = {}
+    for name, param in params.items():
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            aliases[name] = canonical
+        specs[name] = (torch.Size(_full_shape(param)), param.dtype)
+    for name, buf in buffers.items():
+        specs[name] = (buf.shape, buf.dtype)
+    return specs, aliases
+
+
+class GatheredValues(Mapping):
+    """A live engine's full tensors by state-dict name, gathered one at a time when asked for.
+
+    Trainable parameters come from the fp32 masters, others from their (gathered) partitions, buffers as they
+    are. Each lookup of a parameter is a collective: every rank must ask for the same names in the same order.
+    ``to_dtype(name, tensor)`` turns each value into what the caller wants.
+    """
+
+    def __init__(self, module: nn.Module, to_dtype: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+        self._params, self._buffers = _named_tensors(module)
+        self._to_dtype = to_dtype
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._buffers:
+            return self._to_dtype(name, self._buffers[name].detach().to("cpu", copy=True))
+        param = self._params[name]
+        if has_fp32_master(param):
+            import deepspeed.utils
+
+            master = deepspeed.utils.safe_get_full_fp32_param(param)
+            return self._to_dtype(name, master.detach().to("cpu").reshape(_full_shape(param)))
+        with _gathered([param]):
+            return self._to_dtype(name, param.data.detach().to("cpu", copy=True))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([*self._params, *self._buffers])
+
+    def __len__(self) -> int:
+        return len(self._params) + len(self._buffers)
+
+
+def partition_from_values(
+    module: nn.Module,
+    values: Mapping[str, torch.Tensor],
+    *,
+    config: Mapping[str, Any],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Give a module on the meta device its ZeRO-3 partitions straight from ``values``, one submodule at a time.
+
+    Deepest submodules first: a submodule's own parameters are built from ``values`` in the engine's ``dtype``,
+    partitioned at once (DeepSpeed's ``zero.Init`` conversion), and their full copies freed, so host memory holds
+    one submodule's weights (plus whatever ``values`` caches). Buffers go to ``device``. The engine built next
+    adopts the partitioned parameters as a ZeRO-Init model.
+    """
+    import deepspeed
+
+    converted: nn.Parameter | None = None
+    done: dict[int, nn.Parameter] = {}
+    for prefix, sub in reversed(list(module.named_modules(remove_duplicate=False))):
+        fresh = []
+        for local_name, param in list(sub._parameters.items()):
+            if param is None:
+                continue
+            if id(param) in done:
+                sub._parameters[local_name] = done[id(param)]
+                continue
+            name = f"{prefix}.{local_name}" if prefix else local_name
+            value = values[name].to(dtype=dtype if param.is_floating_point() else param.dtype)
+            new = nn.Parameter(value, requires_grad=param.requires_grad)
+            done[id(param)] = sub._parameters[local_name] = new
+            fresh.append(new)
+        if fresh:
+            if converted is None:
+                deepspeed.zero.Init(module=sub, config_dict_or_path=dict(config), dtype=dtype)
+                converted = fresh[0]
+            else:
+                converted.convert_to_zero_parameters(param_list=fresh)
+        for local_name, buf in list(sub._buffers.items()):
+            name = f"{prefix}.{local_name}" if prefix else local_name
+            if buf is not None and buf.device.type == "meta" and name in values:
+                sub._buffers[local_name] = values[name].to(device=device, dtype=buf.dtype)
 
 
 def _full_shape(param: torch.Tensor) -> torch.Size:

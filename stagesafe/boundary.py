@@ -14,7 +14,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from torch import nn
 from . import _dist, _zero
 from .errors import StaleDeepSpeedStateError
 from .restore import assign_values, restore
-from .store import load_state_dict, save_state_dict
+from .store import HandoffReader, load_state_dict, save_state_dict, save_streamed
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
 
@@ -130,6 +130,28 @@ def _wait_pending(record: _ModuleRecord) -> None:
         record.handoff_bytes = int(manifest["total_size"])
 
 
+class _Without(Mapping):
+    """``entry`` minus some names, without reading anything (``entry`` may read lazily from a handoff)."""
+
+    def __init__(self, entry: Mapping[str, torch.Tensor], drop: set[str]) -> None:
+        self._entry, self._drop = entry, drop
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name in self._drop:
+            raise KeyError(name)
+        return self._entry[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return (n for n in self._entry if n not in self._drop)
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+
+def _on_meta(tensors: Mapping[str, torch.Tensor]) -> bool:
+    return any(t.device.type == "meta" for t in tensors.values())
+
+
 class _PhaseClock:
     """Records the seconds since the previous mark under each phase name."""
 
@@ -146,10 +168,23 @@ class _PhaseClock:
 class StageBoundary:
     """The life of one Trainer call's engine over ``module``; create one per call."""
 
-    def __init__(self, module: nn.Module, target: HandoffTarget, stage: str) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        target: HandoffTarget,
+        stage: str,
+        *,
+        meta: bool = False,
+        materialize: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+    ) -> None:
+        """``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
+        engine's partitions from the handoff, read one shard at a time."""
         self.module = module
         self.target = target
         self.stage = stage
+        self.meta = meta
+        self._materialize = materialize
+        self._meta_values: dict[str, torch.Tensor] | None = None
         self._footprint: _zero.ModuleFootprint | None = None
         self._entry: dict[str, torch.Tensor] | None = None
         self._entry_fingerprint: dict[str, tuple[int, int]] | None = None
@@ -158,17 +193,24 @@ class StageBoundary:
 
     # -- entering -------------------------------------------------------------------------------------------
     def enter(self, metadata: Mapping[str, Any], *, resume_from: HandoffTarget | None = None) -> None:
-        """Check the module is clean and make sure the handoff holds its current weights.
+        """Check the module is clean and make sure a handoff holds its current weights.
 
         ``resume_from``: a handoff (perhaps written by another job, at another world size) whose weights the
         module takes before its first stage under stagesafe; ignored for a module that has been through one.
+        A module on the meta device (meta mode) is not loaded: its engine is built from that handoff.
         """
         start = time.perf_counter()
         assert_clean(self.module)
         record = _RECORDS.get(self.module)
+        on_meta = _on_meta(_state_tensors(self.module))
+        if on_meta and self._materialize is None:
+            raise ValueError(
+                "the module holds meta tensors: load weights first (stagesafe.restore(module, uri)), or run the "
+                "stage with StageSafeDeepSpeedStrategy(restore='meta')"
+            )
         if record is not None:
             _wait_pending(record)
-        elif resume_from is not None:
+        elif resume_from is not None and not on_meta:
             source = resume_from
             _dist.all_ranks(
                 lambda: restore(self.module, source.uri, storage_options=source.storage_options),
@@ -178,9 +220,16 @@ class StageBoundary:
         tensors = _state_tensors(self.module)
         if record is None:
             record = _ModuleRecord(original={n: (t.dtype, t.device) for n, t in tensors.items()})
+            record.target = resume_from if on_meta else None
             _RECORDS[self.module] = record
         fingerprint = _fingerprint(tensors)
-        if record.target != self.target or record.fingerprint != fingerprint:
+        if on_meta:
+            if record.target is None:
+                raise ValueError(
+                    "the module holds meta tensors and no handoff holds its weights: pass resume_from=URI, or load "
+                    "them with stagesafe.restore(module, uri) first"
+                )
+        elif record.target != self.target or record.fingerprint != fingerprint:
             cpu = {n: t.to("cpu") for n, t in tensors.items()}
             manifest = _dist.on_rank_zero(
                 lambda: self._publish(cpu, {**metadata, "stage": f"before {self.stage}"}), "writing the first handoff"
@@ -192,6 +241,12 @@ class StageBoundary:
         self._footprint = _zero.take_footprint(self.module)
         self._entry = tensors
         self._entry_fingerprint = fingerprint
+        if on_meta:  # feed the engine from the handoff one shard, one submodule at a time
+            source_target = record.target
+            reader = HandoffReader(source_target.uri, storage_options=source_target.storage_options)
+            materialize = self._materialize
+            _dist.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source_target.uri}")
+            self._entry = reader
         self.report.enter_seconds = time.perf_counter() - start
 
     def engine_built(self, *, training: bool) -> None:
@@ -201,7 +256,7 @@ class StageBoundary:
             _dist.all_ranks(lambda: _zero.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
             masters = {n for n, p in self.module.named_parameters(remove_duplicate=False) if _zero.has_fp32_master(p)}
             # The masters now hold the trainable values; keep only what the engine cannot give back exactly.
-            self._entry = {n: t for n, t in self._entry.items() if n not in masters}
+            self._entry = _Without(self._entry, masters)
 
     def checkpoint_loaded(
         self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
@@ -224,8 +279,18 @@ class StageBoundary:
         record = _RECORDS[self.module]
         failure: BaseException | None = None  # raised at the end, once the module is clean again
         values: dict[str, torch.Tensor] | None = None
+        streamed = engine is not None and trained and self.meta
+        meta_specs = _zero.full_specs(self.module)[0] if self.meta else {}  # shapes, before the engine goes
+        to_meta, published = self.meta, True
         try:
-            if engine is not None and trained:
+            if streamed:
+                try:
+                    self._publish_streamed(record, {**metadata, "stage": self.stage})
+                    self.report.wrote = True
+                except BaseException as exc:  # noqa: BLE001 - nothing may be lost: keep the weights in memory
+                    failure, to_meta, published = exc, False, False
+                    values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
+            elif engine is not None and trained:
                 values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
             elif self._loaded is not None:
                 values = {
@@ -234,14 +299,27 @@ class StageBoundary:
                     if n in record.original
                 }
         except BaseException as exc:  # noqa: BLE001 - the module falls back to the last handoff, then we raise
-            failure, values = exc, None
+            failure, values = failure or exc, None
         mark("consolidate")
         if engine is not None:
             _zero.destroy_engine(engine)
         _zero.strip_deepspeed_state(self.module, self._footprint)
         mark("destroy")
-        published = True
-        if values is not None:
+        if to_meta:
+            if values is not None:  # a checkpoint's weights: in memory already, published as usual
+                self.report.wrote = True
+                try:
+                    _dist.on_rank_zero(lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff")
+                except BaseException as exc:  # noqa: BLE001
+                    failure, published = failure or exc, False
+            values = {
+                name: torch.empty(shape, dtype=record.original[name][0], device="meta")
+                for name, (shape, _) in meta_specs.items()
+                if name in record.original
+            }
+        elif values is not None and not published:
+            pass  # the streamed write failed: the weights stay on the module, the next stage writes them
+        elif values is not None:
             self.report.wrote = True
             publish_values, publish_meta = values, {**metadata, "stage": self.stage}
             if background:
@@ -257,7 +335,10 @@ class StageBoundary:
         else:
             values = self._unchanged_values(record)
         mark("publish")
-        self._restore(values, record)
+        if to_meta:
+            self._meta_values = values  # placed by place_meta(), once Lightning's teardown has moved the module
+        else:
+            self._restore(values, record)
         if not published:
             record.fingerprint = None  # the handoff does not hold these weights: the next stage rewrites it
         mark("restore")
@@ -268,6 +349,19 @@ class StageBoundary:
         if failure is not None:
             raise failure
         return self.report
+
+    def place_meta(self) -> None:
+        """Meta mode, after Lightning's teardown (which moves the module with ``.cpu()``): the module's tensors
+        become meta tensors, holding no memory until the next stage reads the handoff."""
+        values, self._meta_values = self._meta_values, None
+        if values is None:
+            return
+        assign_values(self.module, values)
+        record = _RECORDS[self.module]
+        if self.report.wrote:  # otherwise the weights are still where the stage read them from
+            record.target = self.target
+        record.fingerprint = _fingerprint(_state_tensors(self.module))
+        self.report.stale_problems = _zero.find_stale_state(self.module)
 
     def wait_published(self) -> float:
         """Block until a background publish is committed; raise its failure on every rank. Returns seconds waited."""
@@ -280,17 +374,65 @@ class StageBoundary:
         self.report.handoff_bytes = record.handoff_bytes if record is not None else self.report.handoff_bytes
         return waited
 
-    def _consolidate(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
-        """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged."""
+    def _to_original(self, record: _ModuleRecord) -> Callable[[str, torch.Tensor], torch.Tensor]:
+        """Cast an engine value to the module's original dtype; an unchanged 16-bit value gives back the exact
+        value the stage started from, not a round trip through 16 bits."""
         entry = self._entry or {}
 
         def to_original(name: str, value: torch.Tensor) -> torch.Tensor:
             dtype = record.original.get(name, (value.dtype, None))[0]
-            before = entry.get(name)
-            if value.dtype != dtype and before is not None and _bitwise_equal(before.to("cpu", value.dtype), value):
-                return before.to("cpu")  # unchanged during the stage: keep the exact value, not a 16-bit round trip
+            if value.dtype != dtype:
+                before = entry.get(name)
+                if before is not None and _bitwise_equal(before.to("cpu", value.dtype), value):
+                    return before.to("cpu")
             return value.to(dtype)
 
+        return to_original
+
+    def _publish_streamed(self, record: _ModuleRecord, metadata: Mapping[str, Any]) -> None:
+        """Gather and write one tensor at a time (rank 0 writes, every rank joins each gather), so host memory
+        stays near one tensor; used when the module lives on the meta device between stages."""
+        specs, aliases = _zero.full_specs(self.module)
+        specs = {
+            n: {"dtype": str(record.original[n][0]).replace("torch.", ""), "shape": list(shape)}
+            for n, (shape, _) in specs.items()
+            if n in record.original
+        }
+        gathered = _zero.GatheredValues(self.module, self._to_original(record))
+        order = [n for n in specs if n not in aliases]
+        asked: list[str] = []
+
+        class _Counting(Mapping):
+            def __getitem__(self, name: str) -> torch.Tensor:
+                asked.append(name)
+                return gathered[name]
+
+            def __iter__(self):
+                return iter(order)
+
+            def __len__(self) -> int:
+                return len(order)
+
+        def write() -> None:
+            if _dist.rank() == 0:
+                try:
+                    manifest = save_streamed(
+                        specs, aliases, _Counting(), self.target.uri, max_shard_size=self.target.max_shard_size,
+                        metadata=metadata, storage_options=self.target.storage_options,
+                    )
+                    record.handoff_bytes = int(manifest["total_size"])
+                finally:
+                    for name in order[len(asked):]:  # a failed write still joins the gathers the others wait in
+                        gathered[name]
+            else:
+                for name in order:
+                    gathered[name]
+
+        _dist.all_ranks(write, "gathering and writing the handoff")
+
+    def _consolidate(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
+        """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged."""
+        to_original = self._to_original(record)
         values = {name: value for name, value, _ in _zero.iter_consolidated(self.module, to_dtype=to_original)}
         for alias, param in self.module.named_parameters(remove_duplicate=False):
             if alias not in values:  # tied parameters share one tensor, as in the module
@@ -331,7 +473,7 @@ class StageBoundary:
         placed = {}
         for name, value in values.items():
             dtype, device = record.original.get(name, (value.dtype, value.device))
-            placed[name] = value.to(device=device, dtype=dtype)
+            placed[name] = value.to(device="cpu" if device.type == "meta" else device, dtype=dtype)
         assign_values(self.module, placed)
         record.target = self.target
         record.fingerprint = _fingerprint(_state_tensors(self.module))

@@ -55,9 +55,9 @@ def check_fits(module: nn.Module, state_dict: Mapping[str, Any]) -> None:
 def assign_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None:
     """Make ``values`` (state-dict name -> tensor) the module's parameters and buffers, without copying.
 
-    Parameter objects keep their identity (tied weights stay tied, user references stay valid), except on the
-    meta device, where a tensor cannot take real storage: there each parameter is replaced everywhere it is
-    registered, keeping ``requires_grad``.
+    Parameter objects keep their identity (tied weights stay tied, user references stay valid), except when a
+    tensor moves to or from the meta device, which ``.data`` cannot do: there each parameter is replaced
+    everywhere it is registered (tied ones by one new object), keeping ``requires_grad``.
     """
     replaced: dict[int, torch.Tensor] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -68,7 +68,7 @@ def assign_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None
                     continue
                 if id(current) in replaced:
                     table[local_name] = replaced[id(current)]
-                elif current.device.type == "meta" and values[name].device.type != "meta":
+                elif (current.device.type == "meta") != (values[name].device.type == "meta"):
                     new = values[name]
                     if isinstance(current, nn.Parameter):
                         new = nn.Parameter(new, requires_grad=current.requires_grad)

@@ -65,6 +65,8 @@ from stagesafe.errors import (
 
 __all__ = [
     "HandoffPlan",
+    "HandoffReader",
+    "save_streamed",
     "RetryPolicy",
     "ShardRecord",
     "commit",
@@ -328,6 +330,51 @@ def save_state_dict(
     plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
     records = _write_shards(fs, root, plan, workers=workers, retry=retry)
     return commit(fs, root, plan, records, metadata=metadata, retry=retry)
+
+
+def save_streamed(
+    specs: Mapping[str, Mapping[str, Any]],
+    aliases: Mapping[str, str],
+    tensors: Mapping[str, torch.Tensor],
+    uri: str,
+    *,
+    max_shard_size: int | str = "5GB",
+    metadata: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Save a state dict known only by ``specs`` (name -> ``{"dtype", "shape"}``), pulling each tensor from
+    ``tensors`` exactly once, in ``specs`` order (aliases skipped), as its bytes are due.
+
+    For sources that produce tensors on demand and cannot repeat themselves (a collective gather per tensor):
+    shards are written one after the other, and not retried, since retrying would ask for a tensor twice.
+    Memory holds one tensor. The commit protocol is :func:`save_state_dict`'s.
+    """
+    fs, root = resolve(uri, storage_options)
+    metadata = check_metadata(metadata)
+    once = RetryPolicy(attempts=1)
+    limit = parse_size(max_shard_size)
+    entries = [(name, _nbytes(spec)) for name, spec in specs.items() if name not in aliases]
+    groups = plan_shards(entries, limit)
+    files = shard_file_names(len(groups), taken=live_files(fs, root, retry=once))
+    shards = dict(zip(files, groups, strict=True))
+    plan = HandoffPlan(
+        shards=shards,
+        weight_map={name: file for file, names in shards.items() for name in names},
+        tensors={name: {"dtype": spec["dtype"], "shape": list(spec["shape"])} for name, spec in specs.items()},
+        aliases=dict(aliases),
+        total_size=sum(size for _, size in entries),
+        state_dict=tensors,
+    )
+    records = {}
+    try:
+        for file_name, names in shards.items():
+            shard_specs = {name: plan.tensors[name] for name in names}
+            records[file_name] = _write_shard(fs, root, file_name, tensors, specs=shard_specs, retry=once, stop=None)
+    except BaseException:
+        for file_name in records:
+            _remove(fs, join(root, file_name))
+        raise
+    return commit(fs, root, plan, records, metadata=metadata, retry=once)
 
 
 def read_manifest(
@@ -782,32 +829,76 @@ def _load(
     workers: int,
     retry: RetryPolicy,
 ) -> dict[str, torch.Tensor]:
-    url = url_of(fs, root)
-    by_shard = shard_names(manifest["weight_map"], list(manifest["shards"]))
-
     def one(file_name: str, stop: threading.Event) -> dict[str, torch.Tensor]:
-        rec, path = manifest["shards"][file_name], join(root, file_name)
-        try:
-            data = _transfer(
-                lambda: fs.cat_file(path), what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop
-            )
-        except FileNotFoundError:
-            raise _ShardVanished(_missing_message(url, file_name)) from None
-        _check_bytes(url, file_name, rec, len(data), hashlib.sha256(data).hexdigest())
-        try:
-            tensors = safetensors.torch.load(data)
-        except Exception as exc:  # the hash matched, so only a forged manifest gets here
-            raise HandoffCorruptError(f"{url!r}: shard {file_name!r} is not a safetensors file ({exc})") from None
-        del data
-        found = {name: (_dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()}
-        _check_contents(url, file_name, by_shard[file_name], found, manifest["tensors"])
-        return {name: tensor if device.type == "cpu" else tensor.to(device) for name, tensor in tensors.items()}
+        return _read_shard(fs, root, manifest, file_name, device, retry=retry, stop=stop)
 
     stored: dict[str, torch.Tensor] = {}
     for tensors in _each(list(manifest["shards"]), one, workers).values():
         stored.update(tensors)
     aliases = manifest["aliases"]
     return {name: stored[aliases.get(name, name)] for name in manifest["tensors"]}
+
+
+def _read_shard(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    manifest: Mapping[str, Any],
+    file_name: str,
+    device: torch.device,
+    *,
+    retry: RetryPolicy,
+    stop: threading.Event | None = None,
+) -> dict[str, torch.Tensor]:
+    """One shard's tensors, its size and sha256 checked against the manifest before it is parsed."""
+    url = url_of(fs, root)
+    rec, path = manifest["shards"][file_name], join(root, file_name)
+    try:
+        data = _transfer(lambda: fs.cat_file(path), what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop)
+    except FileNotFoundError:
+        raise _ShardVanished(_missing_message(url, file_name)) from None
+    _check_bytes(url, file_name, rec, len(data), hashlib.sha256(data).hexdigest())
+    try:
+        tensors = safetensors.torch.load(data)
+    except Exception as exc:  # the hash matched, so only a forged manifest gets here
+        raise HandoffCorruptError(f"{url!r}: shard {file_name!r} is not a safetensors file ({exc})") from None
+    del data
+    found = {name: (_dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()}
+    expected = shard_names(manifest["weight_map"], list(manifest["shards"]))[file_name]
+    _check_contents(url, file_name, expected, found, manifest["tensors"])
+    return {name: tensor if device.type == "cpu" else tensor.to(device) for name, tensor in tensors.items()}
+
+
+class HandoffReader(Mapping):
+    """A committed handoff as a read-only mapping that holds one verified shard in memory at a time.
+
+    For callers that take tensors one by one in their own order (feeding an engine layer by layer): memory
+    stays near one shard whatever the model size. Tensors are in the manifest's order; tied names alias.
+    """
+
+    def __init__(
+        self, uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+    ) -> None:
+        self._retry = _check_retry(retry)
+        self._fs, self._root = resolve(uri, storage_options)
+        self.manifest = _fetch_manifest(self._fs, self._root, self._retry)
+        self._cached: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.manifest["tensors"]:
+            raise KeyError(name)
+        stored = self.manifest["aliases"].get(name, name)
+        file_name = self.manifest["weight_map"][stored]
+        if self._cached[0] != file_name:
+            self._cached = (None, {})  # drop the previous shard before reading the next
+            tensors = _read_shard(self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry)
+            self._cached = (file_name, tensors)
+        return self._cached[1][stored]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.manifest["tensors"])
+
+    def __len__(self) -> int:
+        return len(self.manifest["tensors"])
 
 
 def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, *, keep: set[str]) -> None:

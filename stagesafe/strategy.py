@@ -45,6 +45,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             and written in parallel.
         resume_from: fsspec URL of a handoff (from an earlier job, any world size) whose weights a module
             takes before its first stage under stagesafe; read with ``storage_options``.
+        restore: ``"cpu"`` (default): after each stage the module holds real tensors. ``"meta"``: it holds meta
+            tensors (no host memory); the next stage's engine is built from the handoff one submodule at a time,
+            and a trained stage's weights are gathered and written one tensor at a time (ZeRO-3 only).
+            ``stagesafe.restore(module, uri)`` materialises the module on demand.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -56,6 +60,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         storage_options: Optional[Mapping[str, Any]] = None,
         max_shard_size: Union[int, str] = "1GB",
         resume_from: Optional[str] = None,
+        restore: str = "cpu",
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
@@ -66,6 +71,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
         self.handoff_uri = None if handoff_uri is None else os.fspath(handoff_uri)
         self.resume_from = None if resume_from is None else os.fspath(resume_from)
+        if restore not in ("cpu", "meta"):
+            raise ValueError(f"restore={restore!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)")
+        self.restore_mode = restore
         self.storage_options = dict(storage_options or {})
         self.max_shard_size = max_shard_size
         self._boundary: Optional[StageBoundary] = None
@@ -77,7 +85,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
         assert module is not None
-        boundary = StageBoundary(module, self._handoff_target(trainer), trainer.state.fn.value)
+        meta = self.restore_mode == "meta"
+        boundary = StageBoundary(
+            module, self._handoff_target(trainer), trainer.state.fn.value, meta=meta,
+            materialize=self._partition_from_handoff if meta else None,
+        )
         resume = None
         if self.resume_from is not None:
             resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
@@ -87,6 +99,18 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             trainer.callbacks.append(_WaitForHandoff())
         super().setup(trainer)
         self._boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
+
+    def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
+        """Build ZeRO-3 partitions for a meta module from the handoff, in the dtype the engine computes in."""
+        import torch
+
+        self._init_config_if_needed()
+        assert isinstance(self.config, dict)
+        if not self.zero_stage_3:
+            raise ValueError("restore='meta' needs ZeRO stage 3: stages 1 and 2 keep whole weights on every rank")
+        enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
+        dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
+        _zero.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         uri = self.handoff_uri
@@ -195,6 +219,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                     self.wait_for_handoff()
         finally:
             super().teardown()
+            if boundary is not None:
+                boundary.place_meta()
 
     def wait_for_handoff(self) -> None:
         """Return once the last stage's handoff is committed (raise its failure on every rank), and log it."""

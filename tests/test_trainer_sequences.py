@@ -306,3 +306,30 @@ def test_zero3_offload_gives_the_same_weights_as_without(stagesafe_run):
     for stage in offload:
         _assert_clean(stage)
     assert [s["probe"]["digest"] for s in offload] == [s["probe"]["digest"] for s in plain]
+
+
+def _handoffs(run: dict, name: str) -> list[str]:
+    return [s["handoff_digest"] for s in _stages(run, name)]
+
+
+def test_meta_mode_holds_no_weights_between_stages_and_gives_the_cpu_modes_bits(stagesafe_run):
+    for rank in (0, 1):
+        for stage in _stages(stagesafe_run, "stagesafe:meta", rank):
+            assert stage["error"] is None, stage.get("traceback")
+            assert stage["probe"]["devices"] == ["meta"]  # no parameter storage between stages
+            assert stage["probe"]["ds_attrs"] == 0 and stage["probe"]["deepspeed_hooks"] == 0
+    cpu_mode = [s["probe"]["digest"] for s in _stages(stagesafe_run, "stagesafe:zero_stage_1")]  # fit, test, fit
+    assert _handoffs(stagesafe_run, "stagesafe:meta") == cpu_mode
+    assert _handoffs(stagesafe_run, "stagesafe:meta_frozen") == [s["probe"]["digest"] for s in _stages(stagesafe_run, "stagesafe:frozen")]
+    # stagesafe.restore materialises the module on demand
+    module = restore(ToyModule(), stagesafe_run["rank0"]["stagesafe:meta"]["handoff_uri"])
+    assert state_digest(module) == cpu_mode[-1]
+
+
+def test_meta_mode_resumes_a_module_built_on_the_meta_device(stagesafe_run):
+    stages = _stages(stagesafe_run, "stagesafe:meta_resumed")
+    for stage in stages:
+        assert stage["error"] is None, stage.get("traceback")
+        assert stage["probe"]["devices"] == ["meta"]
+    cpu_mode = [s["probe"]["digest"] for s in _stages(stagesafe_run, "stagesafe:resumed")]  # the same, in cpu mode
+    assert stages[-1]["handoff_digest"] == cpu_mode[-1]

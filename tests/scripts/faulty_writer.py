@@ -51,6 +51,7 @@ def _die() -> None:
 def _kill_at(point: str) -> None:
     """Wrap the store's atomic write so that the process kills itself at ``point``."""
     real = store.write_atomic
+    shards_started: list[str] = []  # on an object store, shards are written by several threads at once
     shards_done: list[str] = []
 
     def chunks_then_die(data):
@@ -62,7 +63,9 @@ def _kill_at(point: str) -> None:
     def write_atomic(fs, path, data):
         name = path.rsplit("/", 1)[-1]
         is_shard = name not in (INDEX_NAME, MANIFEST_NAME)
-        if point == "mid_shard" and is_shard and len(shards_done) == 1:
+        if is_shard:
+            shards_started.append(name)
+        if point == "mid_shard" and is_shard and len(shards_started) == 2:
             real(fs, path, chunks_then_die(data))
             raise AssertionError("unreachable: the writer should be dead")
         real(fs, path, data)

@@ -1,6 +1,6 @@
 """Faults at the Trainer level on 2 ranks launched from outside (torchrun-style, ``tests/_launch.run_ranks``).
 
-Usage: python reliability_ranks.py ROOT OUT_PREFIX   (RANK, WORLD_SIZE, MASTER_* set by the launcher)
+Usage: python reliability_ranks.py ROOT OUT_PREFIX [CASE,...]   (RANK, WORLD_SIZE, MASTER_* set by the launcher)
 
 Lightning sees LOCAL_RANK and spawns nothing, so each rank is this very process and runs every case below in
 the same order. Each rank writes OUT_PREFIX.rank<r>.json: per case, the error each stage raised (type and
@@ -12,13 +12,16 @@ Cases:
 - ``reference``: a fresh module through ``fit(max_steps=2)``, for the bitwise comparison.
 - ``bad_resume:<fault>``: ``resume_from`` names a handoff that is damaged, or that does not fit the module,
   or (``one_rank_missing``) is readable on rank 0 only, as a node-local path would be. Then the same module
-  resumes from the intact handoff and runs ``test``.
+  resumes from the intact handoff and runs ``test`` (``one_rank_missing``: runs ``fit`` with no resume).
 - ``unwritable``: the handoff folder cannot be created (its parent is a regular file): the first handoff
   write fails on rank 0; then a stage with a writable folder runs.
+- ``one_rank_fails`` (only when named in the optional third argument, and alone): ``training_step`` raises on
+  rank 1 only; the strategy's ``timeout`` of 5 s bounds rank 0's wait.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
@@ -36,6 +39,7 @@ from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_di
 from stagesafe.boundary import assert_clean  # noqa: E402
 
 INTERRUPT_AT = 2
+ONE_RANK_TIMEOUT = 5  # seconds: the process group's timeout in the one_rank_fails run
 
 
 class InterruptedModule(ToyModule):
@@ -220,14 +224,37 @@ def case_unwritable(root: str) -> dict:
     return {"initial_digest": initial, "stages": stages}
 
 
+class FailsOnRank1(ToyModule):
+    def training_step(self, batch, batch_idx):
+        if os.environ["RANK"] == "1" and self.global_step == INTERRUPT_AT:
+            raise RuntimeError(f"rank 1 fails alone in training_step at step {self.global_step}")
+        return super().training_step(batch, batch_idx)
+
+
+def case_one_rank_fails(root: str) -> dict:
+    """Rank 1 raises in ``training_step``; rank 0 does not. The first (and only) Trainer of this process sets
+    the process group's timeout, which is what ends rank 0's wait in the training collective."""
+    module = fresh_module(FailsOnRank1)
+    initial = state_digest(module)
+    stages: list = []
+    t = trainer(root, "one_rank_fails", timeout=datetime.timedelta(seconds=ONE_RANK_TIMEOUT))
+    rec = run(stages, "fit", lambda: t.fit(module, train_dataloaders=dataloader()))
+    describe(module, rec)
+    rec["handoff_digest"] = state_digest_of(load_state_dict(f"{root}/one_rank_fails/handoff"))
+    return {"initial_digest": initial, "stages": stages}
+
+
+DEFAULT_CASES = ("interrupt", "reference", "bad_resume", "unwritable")
+
+
 def main() -> None:
     root, out_prefix = sys.argv[1], sys.argv[2]
-    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else None
+    only = set(sys.argv[3].split(",")) if len(sys.argv) > 3 else set(DEFAULT_CASES)
     rank = int(os.environ["RANK"])
     results: dict = {}
 
     def want(name: str) -> bool:
-        return only is None or name.split(":")[0] in only
+        return name in only
 
     if want("interrupt"):
         results["interrupt"] = case_interrupt(root)
@@ -244,6 +271,8 @@ def main() -> None:
         results["bad_resume:one_rank_missing"] = case_bad_resume(root, "bad_resume:one_rank_missing", missing, None)
     if want("unwritable"):
         results["unwritable"] = case_unwritable(root)
+    if want("one_rank_fails"):  # run alone: its timeout becomes the process group's
+        results["one_rank_fails"] = case_one_rank_fails(root)
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(results, f, indent=1, default=str)
 

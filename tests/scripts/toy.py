@@ -110,5 +110,5 @@ def probe(module: nn.Module) -> dict:
         "min_numel": min(p.numel() for p in params),
         "dtypes": sorted({str(p.dtype) for p in params}),
         "devices": sorted({str(p.device) for p in params}),
-        "digest": state_digest(module) if all(p.numel() for p in params) else None,
+        "digest": state_digest(module) if all(p.numel() and p.device.type != "meta" for p in params) else None,
     }

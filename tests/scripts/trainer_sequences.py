@@ -8,12 +8,14 @@ each rank writes OUT_PREFIX.rank<r>.json. A case is a dict:
   indices that wrap the previous backbone in a new LightningModule), user_config (a DeepSpeed config dict
   shared by every strategy of the case), checkpoint (ModelCheckpoint on), frozen_hidden, zero_stage,
   fail_at_step (training_step raises once at that global step), continue_after_error, max_steps,
-  file_size_limit_at (stage index during which rank 0 may not write files over 2 kB).
+  file_size_limit_at (stage index during which rank 0 may not write files over 2 kB), restore ("cpu" |
+  "meta"), meta_module (build the module on the meta device).
 A spec may also name "case_groups" built by matrix_cases / scenario_cases below.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import resource
@@ -48,6 +50,8 @@ class MasterProbe(Callback):
             master = deepspeed.utils.safe_get_full_fp32_param(param)
             if master is None:
                 continue
+            if self.reference[name].device.type == "meta":
+                return  # a module built on the meta device has no input weights to compare with
             ref = self.reference[name].to(master.device, torch.float32).reshape(master.shape)
             worst = max(worst, (master.float() - ref).abs().max().item())
         self.max_abs_diff = worst
@@ -89,6 +93,11 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "config_inference", "stages": ["validate", "test", "predict"], "user_config": inference_config},
         {"name": "save_between_stages", "stages": ["fit", "save@{root}/final.ckpt", "test@{root}/final.ckpt"]},
         {"name": "offload", "stages": ["fit", "test", "fit"], "user_config": offload_config},
+        # meta mode: nothing in host memory between stages; the next engine is fed from the handoff
+        {"name": "meta", "stages": ["fit", "test", "fit"], "restore": "meta"},
+        {"name": "meta_frozen", "stages": ["fit", "test"], "frozen_hidden": True, "restore": "meta"},
+        {"name": "meta_resumed", "stages": ["test", "fit"], "trainer": "per_call", "restore": "meta", "meta_module": True,
+         "resume_from": "{root}/" + _slug(f"{strategy}:demo") + "/handoff"},
         {"name": "zero_stage_1", "stages": ["fit", "test", "fit"], "zero_stage": 1},
         {"name": "zero_stage_2", "stages": ["fit", "test", "fit"], "zero_stage": 2},
         {"name": "default_handoff", "stages": ["fit", "test"], "default_handoff": True},
@@ -116,6 +125,8 @@ def make_strategy(case: dict, root: str, index: int) -> pl.strategies.Strategy:
     if strategy == "stagesafe":
         if case.get("resume_from"):
             kwargs["resume_from"] = case["resume_from"]
+        if case.get("restore"):
+            kwargs["restore"] = case["restore"]
         if case.get("default_handoff"):
             return StageSafeDeepSpeedStrategy(**kwargs)
         return StageSafeDeepSpeedStrategy(handoff_uri=f"{root}/{_slug(case['name'])}/handoff", **kwargs)
@@ -172,11 +183,12 @@ def run_case(case: dict, spec: dict) -> dict:
     if case.get("resume_from"):
         case["resume_from"] = case["resume_from"].replace("{root}", spec["root"])
     torch.manual_seed(0)
-    module = ToyModule(
-        lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False), fail_at_step=case.get("fail_at_step")
-    )
+    with torch.device("meta") if case.get("meta_module") else contextlib.nullcontext():
+        module = ToyModule(
+            lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False), fail_at_step=case.get("fail_at_step")
+        )
     initial = {n: t.detach().clone() for n, t in module.state_dict().items()}
-    result: dict = {"initial_digest": state_digest(module), "stages": []}
+    result: dict = {"initial_digest": None if case.get("meta_module") else state_digest(module), "stages": []}
     strategy = trainer = None
     max_epochs = case.get("max_epochs", 1)
     for index, stage in enumerate(case["stages"]):
