@@ -32,12 +32,18 @@ class Backbone(nn.Module):
 
 class ToyModule(pl.LightningModule):
     def __init__(
-        self, backbone: nn.Module | None = None, lr: float = 0.1, frozen_hidden: bool = False, fail_at_step: int | None = None
+        self,
+        backbone: nn.Module | None = None,
+        lr: float = 0.1,
+        frozen_hidden: bool = False,
+        fail_at_step: int | None = None,
+        extra_head: bool = False,
     ) -> None:
         super().__init__()
         self.backbone = backbone if backbone is not None else Backbone()
         self.lr = lr
         self.fail_at_step = fail_at_step
+        self.extra_head = nn.Linear(VOCAB, VOCAB) if extra_head else None
         self.user_hook_calls = 0
         self.backbone.register_forward_hook(self._user_hook)
         if frozen_hidden:
@@ -47,7 +53,8 @@ class ToyModule(pl.LightningModule):
         self.user_hook_calls += 1
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.backbone(tokens)
+        out = self.backbone(tokens)
+        return out if self.extra_head is None else self.extra_head(out)
 
     def _loss(self, batch) -> torch.Tensor:
         tokens, targets = batch
