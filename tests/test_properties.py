@@ -15,6 +15,7 @@ import json
 import shutil
 import tempfile
 import uuid
+from pathlib import Path
 
 import fsspec
 import pytest
@@ -212,11 +213,11 @@ def test_any_flipped_bit_in_any_shard_is_refused_naming_the_shard(data):
     with tempfile.TemporaryDirectory() as tmp:
         url, manifest = _saved(tmp)
         shard = data.draw(st.sampled_from(sorted(manifest["shards"])))
-        path = f"{url}/{shard}"
-        raw = bytearray(open(path, "rb").read())
+        path = Path(url) / shard
+        raw = bytearray(path.read_bytes())
         offset = data.draw(st.integers(0, len(raw) - 1))
         raw[offset] ^= 1 << data.draw(st.integers(0, 7))
-        open(path, "wb").write(bytes(raw))
+        path.write_bytes(bytes(raw))
         for reader in (verify, load_state_dict):
             with pytest.raises(HandoffCorruptError, match=f"shard {shard!r}"):
                 reader(url)
@@ -228,13 +229,13 @@ def test_any_truncation_or_extension_of_a_shard_is_refused(data):
     with tempfile.TemporaryDirectory() as tmp:
         url, manifest = _saved(tmp)
         shard = data.draw(st.sampled_from(sorted(manifest["shards"])))
-        path = f"{url}/{shard}"
-        raw = open(path, "rb").read()
+        path = Path(url) / shard
+        raw = path.read_bytes()
         if data.draw(st.booleans()):
             raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
         else:
             raw = raw + data.draw(st.binary(min_size=1, max_size=64))
-        open(path, "wb").write(raw)
+        path.write_bytes(raw)
         for reader in (verify, load_state_dict):
             with pytest.raises(HandoffCorruptError, match=f"shard {shard!r}"):
                 reader(url)
@@ -250,8 +251,8 @@ def test_a_shard_of_another_handoff_in_its_place_is_refused(data):
         g = torch.Generator().manual_seed(data.draw(st.integers(1, 2**16)))
         save_state_dict({"embed.weight": torch.randn(7, 5, generator=g)}, other)
         shard = data.draw(st.sampled_from(sorted(manifest["shards"])))
-        stranger = json.load(open(f"{other}/stagesafe.json"))["shards"]
-        open(f"{url}/{shard}", "wb").write(open(f"{other}/{next(iter(stranger))}", "rb").read())
+        stranger = next(iter(json.loads(Path(f"{other}/stagesafe.json").read_text())["shards"]))
+        (Path(url) / shard).write_bytes(Path(f"{other}/{stranger}").read_bytes())
         for reader in (verify, load_state_dict):
             with pytest.raises(HandoffCorruptError, match=f"shard {shard!r}"):
                 reader(url)

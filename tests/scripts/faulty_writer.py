@@ -30,8 +30,7 @@ import sys
 
 import torch
 
-import stagesafe.store as store
-from stagesafe import save_state_dict
+from stagesafe import save_state_dict, store
 from stagesafe._planning import INDEX_NAME, MANIFEST_NAME
 
 NUMEL = 4 * 1024 * 1024  # float32 elements per tensor: 16 MiB

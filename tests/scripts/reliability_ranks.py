@@ -31,12 +31,12 @@ import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-from toy import ToyModule, dataloader, probe, state_digest, state_digest_of  # noqa: E402
+import lightning.pytorch as pl
+import torch
+from toy import ToyModule, dataloader, probe, state_digest, state_digest_of
 
-from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_dict  # noqa: E402
-from stagesafe.boundary import assert_clean  # noqa: E402
+from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_dict
+from stagesafe.boundary import assert_clean
 
 INTERRUPT_AT = 2
 ONE_RANK_TIMEOUT = 5  # seconds: the process group's timeout in the one_rank_fails run
