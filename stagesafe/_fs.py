@@ -134,6 +134,10 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
         except BaseException:
             with contextlib.suppress(Exception):
                 f.discard()  # s3fs: abort the multipart upload instead of completing it
+            # Even when the abort fails (store down), the file must never be closed later: fsspec's __del__
+            # would complete the upload, truncated, under the shard's name, perhaps over a newer handoff.
+            with contextlib.suppress(Exception):
+                f.closed = True
             raise
         f.close()
         return

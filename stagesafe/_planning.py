@@ -7,6 +7,8 @@ it without importing torch.
 from __future__ import annotations
 
 import math
+import hashlib
+import json
 import re
 import secrets
 from collections.abc import Iterable, Mapping, Sequence
@@ -236,7 +238,15 @@ def build_manifest(
         "metadata": check_metadata(metadata),
         "versions": dict(versions),
     }
+    manifest["checksum"] = manifest_checksum(manifest)
     return validate_manifest(manifest, source="the new manifest")
+
+
+def manifest_checksum(manifest: Mapping[str, Any]) -> str:
+    """sha256 of the manifest's own content (every key but this one, canonical JSON): the shards' hashes protect
+    the weights, this protects the tables that say which bytes are which tensor (weight map, aliases, dtypes)."""
+    body = {key: value for key, value in manifest.items() if key != "checksum"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
@@ -266,6 +276,8 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     ):
         if not isinstance(manifest.get(key), kind):
             raise bad(f"'{key}' is missing or not a {kind.__name__}")
+    if manifest.get("checksum") != manifest_checksum(manifest):
+        raise bad("the manifest's 'checksum' does not match its content (changed after it was written)")
     shards, weight_map, tensors, aliases = (manifest[k] for k in ("shards", "weight_map", "tensors", "aliases"))
     for file, rec in shards.items():
         if not is_shard_name(file):

@@ -21,7 +21,7 @@ from torch import nn
 
 from . import _dist, _zero
 from .errors import StaleDeepSpeedStateError
-from .restore import assign_values, restore
+from .restore import assign_values, load_for
 from .store import HandoffReader, load_state_dict, save_state_dict, save_streamed
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
@@ -212,11 +212,13 @@ class StageBoundary:
             _wait_pending(record)
         elif resume_from is not None and not on_meta:
             source = resume_from
-            _dist.all_ranks(
-                lambda: restore(self.module, source.uri, storage_options=source.storage_options),
+            placed = _dist.all_ranks(  # every rank loads and checks; none changes its module unless all can
+                lambda: load_for(self.module, source.uri, storage_options=source.storage_options),
                 f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
                 "not visible from other nodes; use shared storage or an object store)",
             )
+            _zero.strip_deepspeed_state(self.module, None)
+            assign_values(self.module, placed)
         tensors = _state_tensors(self.module)
         if record is None:
             record = _ModuleRecord(original={n: (t.dtype, t.device) for n, t in tensors.items()})

@@ -14,7 +14,7 @@ from . import _zero
 from .errors import StateDictMismatchError
 from .store import load_state_dict
 
-__all__ = ["restore", "check_fits", "assign_values"]
+__all__ = ["restore", "load_for", "check_fits", "assign_values"]
 
 
 def _expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
@@ -78,15 +78,11 @@ def assign_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None
                     replaced[id(current)] = current
 
 
-def restore(
+def load_for(
     module: nn.Module, uri: str, *, storage_options: Mapping[str, Any] | None = None, device: Any = None
-) -> nn.Module:
-    """Load the handoff at ``uri`` into ``module`` and return it.
-
-    Each tensor keeps the module's current dtype, and its device (``device`` overrides; meta tensors are
-    materialised on the CPU). DeepSpeed state an earlier engine left on the module is removed, so this also
-    rescues a module that stock DeepSpeed left hollow.
-    """
+) -> dict[str, torch.Tensor]:
+    """The handoff's tensors, checked to fit ``module`` and placed as it holds its own (dtype, device); the
+    module itself is not touched, so a caller can check every rank before any of them changes."""
     values = load_state_dict(uri, storage_options=storage_options)
     check_fits(module, values)
     current = dict(module.named_parameters(remove_duplicate=False))
@@ -98,6 +94,19 @@ def restore(
         where = device if device is not None else ("cpu" if target.device.type == "meta" else target.device)
         dtype = target.dtype if target.numel() or not hasattr(target, "ds_shape") else value.dtype
         placed[name] = value.to(device=where, dtype=dtype)
+    return placed
+
+
+def restore(
+    module: nn.Module, uri: str, *, storage_options: Mapping[str, Any] | None = None, device: Any = None
+) -> nn.Module:
+    """Load the handoff at ``uri`` into ``module`` and return it.
+
+    Each tensor keeps the module's current dtype, and its device (``device`` overrides; meta tensors are
+    materialised on the CPU). DeepSpeed state an earlier engine left on the module is removed, so this also
+    rescues a module that stock DeepSpeed left hollow. Nothing changes unless the whole handoff loads and fits.
+    """
+    placed = load_for(module, uri, storage_options=storage_options, device=device)
     _zero.strip_deepspeed_state(module, None)
     assign_values(module, placed)
     return module

@@ -516,6 +516,12 @@ def _transfer(
             f"could not {what}: the bucket or folder it goes into does not exist ({exc}); create it first, or "
             f"correct the URL{hint}"
         ) from exc
+    except StorageTransferError:
+        raise
+    except OSError as exc:  # disk full, file too large, read-only file system, a file where a folder should be
+        if not writing:
+            raise
+        raise StorageTransferError(f"could not {what}: {exc}{hint}") from exc
 
 
 def _each(items: Sequence[str], fn: Callable[[str, threading.Event], T], workers: int) -> dict[str, T]:
@@ -572,6 +578,16 @@ def _dtype_name(dtype: torch.dtype) -> str:
 def _check_entry(name: Any, tensor: Any) -> None:
     if not isinstance(name, str) or not name:
         raise InvalidArgumentError(f"state_dict key {name!r} must be a non-empty str; safetensors names tensors by str")
+    if name == "__metadata__":
+        raise InvalidArgumentError(
+            "state_dict key '__metadata__' is the name safetensors reserves for a file's metadata; rename the tensor"
+        )
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(
+            f"state_dict key {name!r} is not valid Unicode (a lone surrogate?); safetensors stores UTF-8 names"
+        ) from None
     where = f"state_dict[{name!r}]"
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(
@@ -792,6 +808,13 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
         ) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise HandoffCorruptError(f"{where} is not a Hugging Face index ({exc!r}); write the handoff again") from None
+    if weight_map != manifest["weight_map"] and _index_of_an_interrupted_save(fs, root, weight_map):
+        log.warning(
+            "stagesafe: %s belongs to a save that was interrupted before its manifest; the committed handoff is "
+            "intact and verified, the next save rewrites the index",
+            where,
+        )
+        return
     for name in sorted(set(weight_map) | set(manifest["weight_map"])):
         if weight_map.get(name) != manifest["weight_map"].get(name):
             raise HandoffCorruptError(
@@ -803,6 +826,26 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
         raise HandoffCorruptError(
             f"{where} says total_size {total_size}, the manifest {manifest['total_size']}; write the handoff again"
         )
+
+
+def _index_of_an_interrupted_save(fs: fsspec.AbstractFileSystem, root: str, weight_map: Mapping[str, str]) -> bool:
+    """True when every shard the index names exists and holds exactly the tensors the index puts there: the
+    index of a complete set of shards whose manifest was never written (the writer died between the two)."""
+    by_shard: dict[str, set[str]] = {}
+    for name, file_name in weight_map.items():
+        by_shard.setdefault(file_name, set()).add(name)
+    try:
+        for file_name, names in by_shard.items():
+            with fs.open(join(root, file_name), "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                if not 0 < length <= _MAX_HEADER:
+                    return False
+                header = json.loads(f.read(length))
+            if set(header) - {"__metadata__"} != names:
+                return False
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _hash_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[str, bytes]:

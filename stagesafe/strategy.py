@@ -210,7 +210,14 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 # After a failure, publish before raising; otherwise overlap the upload with the rest of
                 # Lightning's teardown and join it in the Trainer's last hook (_WaitForHandoff).
                 background = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-                self.last_boundary = boundary.exit(engine, trained=trained, metadata=metadata, background=background)
+                try:
+                    self.last_boundary = boundary.exit(engine, trained=trained, metadata=metadata, background=background)
+                except Exception as exc:
+                    if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
+                        raise
+                    # The stage already failed: that error is the one to raise, not this consequence of it.
+                    log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
+                    self.last_boundary = boundary.report
                 self.model = boundary.module
                 self.optimizers = []
                 self.lr_scheduler_configs = []

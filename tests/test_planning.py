@@ -16,6 +16,7 @@ from stagesafe._planning import (
     check_metadata,
     is_shard_name,
     is_temp_name,
+    manifest_checksum,
     parse_size,
     plan_shards,
     shard_file_names,
@@ -34,6 +35,8 @@ def test_pure_module_imports_neither_torch_nor_fsspec():
         "__future__",
         "collections",
         "decimal",
+        "hashlib",
+        "json",
         "math",
         "re",
         "secrets",
@@ -217,9 +220,17 @@ def _break(path, value):
 def test_validate_manifest_refuses(edit, pattern):
     m = _manifest()
     edit(m)
+    m["checksum"] = manifest_checksum(m)  # a consistent-looking manifest: the structural check must catch it
     with pytest.raises(HandoffCorruptError, match=pattern):
         validate_manifest(m, source="somewhere/stagesafe.json")
     with pytest.raises(HandoffCorruptError, match="somewhere"):
+        validate_manifest(m, source="somewhere/stagesafe.json")
+
+
+def test_a_manifest_changed_after_it_was_written_is_refused():
+    m = _manifest()
+    m["aliases"] = {}  # one table edited, checksum not recomputed
+    with pytest.raises(HandoffCorruptError, match="'checksum' does not match its content"):
         validate_manifest(m, source="somewhere/stagesafe.json")
 
 

@@ -16,6 +16,7 @@ import safetensors.torch
 import torch
 
 from stagesafe._fs import list_files, resolve
+from stagesafe._planning import manifest_checksum
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
@@ -369,6 +370,8 @@ def test_weight_map_disagreeing_with_a_shard_is_refused_by_verify_and_load(url):
     moved = next(name for name, file in manifest["weight_map"].items() if file == shards[1])
     for doc, name in ((manifest, MANIFEST), (json.loads(read(url, INDEX)), INDEX)):  # index too: it agrees
         doc["weight_map"][moved] = shards[0]
+        if name == MANIFEST:
+            doc["checksum"] = manifest_checksum(doc)  # a forged, self-consistent manifest: the shard check catches it
         write(url, name, json.dumps(doc).encode())
     for reader in (verify, load_state_dict):
         with pytest.raises(HandoffCorruptError, match="disagrees with the manifest's weight_map") as info:

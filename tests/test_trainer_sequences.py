@@ -240,8 +240,9 @@ def test_a_failed_handoff_upload_is_raised_on_every_rank_and_nothing_is_lost(sta
     name = "stagesafe:publish_fails"
     first, failed, test = _stages(stagesafe_run, name)
     failed_on_1 = _stages(stagesafe_run, name, rank=1)[1]
-    assert failed["error"].startswith("OSError: [Errno 27] File too large")  # rank 0 could not write
-    assert "failed on rank 0: OSError" in failed_on_1["error"]  # rank 1 is told, instead of hanging
+    assert failed["error"].startswith("StorageTransferError: could not write shard")  # rank 0 could not write
+    assert "File too large" in failed["error"] and "unchanged" in failed["error"]
+    assert "failed on rank 0: StorageTransferError" in failed_on_1["error"]  # rank 1 is told, instead of hanging
     assert failed["handoff_digest"] == first["probe"]["digest"]  # the previous handoff is intact
     failed = {**failed, "error": None}
     _assert_clean(failed)  # the module is clean and holds the new weights

@@ -150,7 +150,7 @@ FAULTS = ("flipped_byte", "truncated_shard", "missing_shard", "weight_map_disagr
 
 def bad_handoff(root: str, fault: str) -> tuple[str, str]:
     """A handoff with ``fault``, and the shard an error must name (\"\" for faults that are not a shard's)."""
-    from stagesafe._planning import INDEX_NAME, MANIFEST_NAME
+    from stagesafe._planning import manifest_checksum, INDEX_NAME, MANIFEST_NAME
 
     uri = f"{rank_root(root)}/bad/{fault}"
     state = dict(fresh_module(seed=1).state_dict())
@@ -181,6 +181,8 @@ def bad_handoff(root: str, fault: str) -> tuple[str, str]:
             with open(path) as f:
                 doc = json.load(f)
             doc["weight_map"][moved] = shards[0]
+            if name == MANIFEST_NAME:
+                doc["checksum"] = manifest_checksum(doc)  # resealed, as a forger would
             with open(path, "w") as f:
                 json.dump(doc, f)
         return uri, shards[0]
