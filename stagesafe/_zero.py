@@ -25,7 +25,6 @@ __all__ = [
     "find_stale_state",
     "is_engine",
     "has_fp32_master",
-    "iter_consolidated",
     "set_fp32_masters",
     "load_values_into_engine",
     "destroy_engine",
@@ -164,49 +163,6 @@ def _named_tensors(module: nn.Module) -> tuple[dict[str, nn.Parameter], dict[str
     return params, buffers
 
 
-def iter_consolidated(
-    module: nn.Module,
-    *,
-    to_dtype: Callable[[str, torch.Tensor], torch.Tensor],
-    bucket_bytes: int = 256 * 2**20,
-) -> Iterator[tuple[str, torch.Tensor, bool]]:
-    """Yield ``(name, cpu_tensor, is_fp32_master)`` for every parameter and persistent buffer of a live engine.
-
-    Trainable parameters come from the optimizer's fp32 master weights, everything else from the module
-    (ZeRO-3 partitions gathered). ``to_dtype(name, tensor)`` turns each value into what the caller stores.
-    Every rank must iterate to the end: the gathers are collectives.
-    """
-    params, buffers = _named_tensors(module)
-    seen: dict[int, str] = {}
-    pending: list[tuple[str, nn.Parameter]] = []
-    pending_bytes = 0
-
-    def flush() -> Iterator[tuple[str, torch.Tensor, bool]]:
-        with _gathered([p for _, p in pending]):
-            for pname, p in pending:
-                yield pname, to_dtype(pname, p.data.detach().to("cpu", copy=True)), False
-
-    for name, param in params.items():
-        if id(param) in seen:
-            continue  # a tied parameter: the caller aliases it through the state dict
-        seen[id(param)] = name
-        if has_fp32_master(param):
-            import deepspeed.utils
-
-            master = deepspeed.utils.safe_get_full_fp32_param(param)
-            yield name, to_dtype(name, master.detach().to("cpu").reshape(_full_shape(param))), True
-            continue
-        pending.append((name, param))
-        pending_bytes += _full_numel(param) * param.element_size()
-        if pending_bytes >= bucket_bytes:
-            yield from flush()
-            pending, pending_bytes = [], 0
-    if pending:
-        yield from flush()
-    for name, buf in buffers.items():
-        yield name, to_dtype(name, buf.detach().to("cpu", copy=True)), False
-
-
 def full_specs(module: nn.Module) -> tuple[dict[str, tuple[torch.Size, torch.dtype]], dict[str, str]]:
     """Full shape and dtype of every state-dict tensor of a live engine's module, and the tied-name aliases."""
     params, buffers = _named_tensors(module)
@@ -302,10 +258,6 @@ def _full_shape(param: torch.Tensor) -> torch.Size:
     return param.ds_shape if _is_zero3_param(param) else param.shape
 
 
-def _full_numel(param: torch.Tensor) -> int:
-    return param.ds_numel if _is_zero3_param(param) else param.numel()
-
-
 def set_fp32_masters(module: nn.Module, values: Mapping[str, torch.Tensor]) -> int:
     """Make the optimizer's fp32 master weights equal ``values`` bit for bit; returns how many were set.
 
@@ -357,10 +309,13 @@ def load_values_into_engine(module: nn.Module, values: Mapping[str, torch.Tensor
     """
     params, buffers = _named_tensors(module)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    name_of: dict[int, str] = {}
+    for name, param in params.items():
+        if name in values:
+            name_of.setdefault(id(param), name)
     seen: set[int] = set()
     for sub in module.modules():
-        own = [(n, p) for n, p in params.items() if any(p is q for q in sub.parameters(recurse=False))]
-        own = [(n, p) for n, p in own if id(p) not in seen and n in values]
+        own = [(name_of[id(p)], p) for p in sub.parameters(recurse=False) if id(p) in name_of and id(p) not in seen]
         if not own:
             continue
         seen.update(id(p) for _, p in own)

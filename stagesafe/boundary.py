@@ -311,7 +311,9 @@ class StageBoundary:
             if values is not None:  # a checkpoint's weights: in memory already, published as usual
                 self.report.wrote = True
                 try:
-                    _dist.on_rank_zero(lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff")
+                    _dist.on_rank_zero(
+                        lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff"
+                    )
                 except BaseException as exc:  # noqa: BLE001
                     failure, published = failure or exc, False
             values = {
@@ -419,12 +421,17 @@ class StageBoundary:
             if _dist.rank() == 0:
                 try:
                     manifest = save_streamed(
-                        specs, aliases, _Counting(), self.target.uri, max_shard_size=self.target.max_shard_size,
-                        metadata=metadata, storage_options=self.target.storage_options,
+                        specs,
+                        aliases,
+                        _Counting(),
+                        self.target.uri,
+                        max_shard_size=self.target.max_shard_size,
+                        metadata=metadata,
+                        storage_options=self.target.storage_options,
                     )
                     record.handoff_bytes = int(manifest["total_size"])
                 finally:
-                    for name in order[len(asked):]:  # a failed write still joins the gathers the others wait in
+                    for name in order[len(asked) :]:  # a failed write still joins the gathers the others wait in
                         gathered[name]
             else:
                 for name in order:
@@ -434,12 +441,11 @@ class StageBoundary:
 
     def _consolidate(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
         """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged."""
-        to_original = self._to_original(record)
-        values = {name: value for name, value, _ in _zero.iter_consolidated(self.module, to_dtype=to_original)}
-        for alias, param in self.module.named_parameters(remove_duplicate=False):
-            if alias not in values:  # tied parameters share one tensor, as in the module
-                canonical = next(n for n, p in self.module.named_parameters(remove_duplicate=True) if p is param)
-                values[alias] = values[canonical]
+        specs, aliases = _zero.full_specs(self.module)
+        gathered = _zero.GatheredValues(self.module, self._to_original(record))
+        values: dict[str, torch.Tensor] = {}
+        for name in specs:  # the same order on every rank: each lookup is a collective
+            values[name] = values[aliases[name]] if name in aliases else gathered[name]  # tied: one tensor
         return {n: values[n] for n in record.original if n in values}
 
     def _unchanged_values(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:

@@ -933,7 +933,9 @@ class HandoffReader(Mapping):
         file_name = self.manifest["weight_map"][stored]
         if self._cached[0] != file_name:
             self._cached = (None, {})  # drop the previous shard before reading the next
-            tensors = _read_shard(self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry)
+            tensors = _read_shard(
+                self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry
+            )
             self._cached = (file_name, tensors)
         return self._cached[1][stored]
 

@@ -87,7 +87,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         assert module is not None
         meta = self.restore_mode == "meta"
         boundary = StageBoundary(
-            module, self._handoff_target(trainer), trainer.state.fn.value, meta=meta,
+            module,
+            self._handoff_target(trainer),
+            trainer.state.fn.value,
+            meta=meta,
             materialize=self._partition_from_handoff if meta else None,
         )
         resume = None
@@ -110,7 +113,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             raise ValueError("restore='meta' needs ZeRO stage 3: stages 1 and 2 keep whole weights on every rank")
         enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
         dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
-        _zero.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
+        _zero.partition_from_values(
+            self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device
+        )
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         uri = self.handoff_uri
@@ -211,7 +216,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 # Lightning's teardown and join it in the Trainer's last hook (_WaitForHandoff).
                 background = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
                 try:
-                    self.last_boundary = boundary.exit(engine, trained=trained, metadata=metadata, background=background)
+                    self.last_boundary = boundary.exit(
+                        engine, trained=trained, metadata=metadata, background=background
+                    )
                 except Exception as exc:
                     if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
                         raise
