@@ -73,6 +73,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self.resume_from = None if resume_from is None else os.fspath(resume_from)
         if restore not in ("cpu", "meta"):
             raise ValueError(f"restore={restore!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)")
+        if restore == "meta" and isinstance(self.config, dict) and not self.zero_stage_3:
+            raise ValueError(
+                "restore='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every rank, so an "
+                "engine cannot be built from the handoff one submodule at a time; use restore='cpu'"
+            )
         self.restore_mode = restore
         self.storage_options = dict(storage_options or {})
         self.max_shard_size = max_shard_size
