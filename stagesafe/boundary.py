@@ -100,6 +100,12 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
+def _note_size(record: _ModuleRecord, manifest: Mapping[str, Any] | None) -> None:
+    """Remember the handoff's size; only rank 0, which wrote it, has the manifest (and reports sizes)."""
+    if manifest:
+        record.handoff_bytes = int(manifest["total_size"])
+
+
 def _start_in_background(publish: Any) -> "concurrent.futures.Future[dict] | None":
     """Run ``publish`` on rank 0 in a daemon thread; other ranks hold no future (they learn the outcome later)."""
     if _dist.rank() != 0:
@@ -126,8 +132,7 @@ def _wait_pending(record: _ModuleRecord) -> None:
     except BaseException:
         record.fingerprint = None  # the handoff does not hold the module's weights: the next stage rewrites it
         raise
-    if manifest:  # rank 0, which reports sizes
-        record.handoff_bytes = int(manifest["total_size"])
+    _note_size(record, manifest)
 
 
 class _Without(Mapping):
@@ -202,7 +207,8 @@ class StageBoundary:
         start = time.perf_counter()
         assert_clean(self.module)
         record = _RECORDS.get(self.module)
-        on_meta = _on_meta(_state_tensors(self.module))
+        tensors = _state_tensors(self.module)
+        on_meta = _on_meta(tensors)
         if on_meta and self._materialize is None:
             raise ValueError(
                 "the module holds meta tensors: load weights first (stagesafe.restore(module, uri)), or run the "
@@ -219,7 +225,7 @@ class StageBoundary:
             )
             _zero.strip_deepspeed_state(self.module, None)
             assign_values(self.module, placed)
-        tensors = _state_tensors(self.module)
+            tensors = _state_tensors(self.module)
         if record is None:
             record = _ModuleRecord(original={n: (t.dtype, t.device) for n, t in tensors.items()})
             record.target = resume_from if on_meta else None
@@ -236,7 +242,7 @@ class StageBoundary:
             manifest = _dist.on_rank_zero(
                 lambda: self._publish(cpu, {**metadata, "stage": f"before {self.stage}"}), "writing the first handoff"
             )
-            record.handoff_bytes = int(manifest["total_size"]) if manifest else 0
+            _note_size(record, manifest)
             record.target = self.target
             record.fingerprint = fingerprint
             self.report.enter_wrote = True
@@ -307,37 +313,27 @@ class StageBoundary:
             _zero.destroy_engine(engine)
         _zero.strip_deepspeed_state(self.module, self._footprint)
         mark("destroy")
-        if to_meta:
-            if values is not None:  # a checkpoint's weights: in memory already, published as usual
-                self.report.wrote = True
-                try:
-                    _dist.on_rank_zero(
-                        lambda: self._publish(values, {**metadata, "stage": self.stage}), "writing the handoff"
-                    )
-                except BaseException as exc:  # noqa: BLE001
-                    failure, published = failure or exc, False
-            values = {
-                name: torch.empty(shape, dtype=record.original[name][0], device="meta")
-                for name, (shape, _) in meta_specs.items()
-                if name in record.original
-            }
-        elif values is not None and not published:
-            pass  # the streamed write failed: the weights stay on the module, the next stage writes them
-        elif values is not None:
+        if values is not None and published:  # new weights to write (a streamed write has already written)
             self.report.wrote = True
             publish_values, publish_meta = values, {**metadata, "stage": self.stage}
-            if background:
+            if background and not to_meta:
                 record.pending = _start_in_background(lambda: self._publish(publish_values, publish_meta))
             else:
                 try:
                     manifest = _dist.on_rank_zero(
                         lambda: self._publish(publish_values, publish_meta), "writing the handoff"
                     )
-                    record.handoff_bytes = int(manifest["total_size"]) if manifest else record.handoff_bytes
+                    _note_size(record, manifest)
                 except BaseException as exc:  # noqa: BLE001 - the module still gets the new weights; then we raise
                     failure, published = failure or exc, False
-        else:
+        elif values is None and not to_meta:
             values = self._unchanged_values(record)
+        if to_meta:
+            values = {
+                name: torch.empty(shape, dtype=record.original[name][0], device="meta")
+                for name, (shape, _) in meta_specs.items()
+                if name in record.original
+            }
         mark("publish")
         if to_meta:
             self._meta_values = values  # placed by place_meta(), once Lightning's teardown has moved the module
@@ -429,7 +425,7 @@ class StageBoundary:
                         metadata=metadata,
                         storage_options=self.target.storage_options,
                     )
-                    record.handoff_bytes = int(manifest["total_size"])
+                    _note_size(record, manifest)
                 finally:
                     for name in order[len(asked) :]:  # a failed write still joins the gathers the others wait in
                         gathered[name]

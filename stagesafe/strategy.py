@@ -165,6 +165,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     # -- checkpoints ------------------------------------------------------------------------------------------
     @property
+    def _fitting(self) -> bool:
+        return self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+
+    @property
     def _engine_is_live(self) -> bool:
         return _zero.is_engine(self.model)
 
@@ -178,7 +182,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        fitting = self._fitting
         if os.path.isfile(os.fspath(checkpoint_path)):
             # A full-weights file (written between stages, or by load_full_weights users)
             return Strategy.load_checkpoint(self, checkpoint_path, weights_only)
@@ -198,7 +202,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         state_dict = checkpoint.get("state_dict")
         if state_dict is None or self._boundary is None:
             return  # DeepSpeed's own load_checkpoint already put the weights (and masters) in the engine
-        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        fitting = self._fitting
         _check_keys(self.lightning_module, state_dict, strict)
         self._boundary.checkpoint_loaded(state_dict, self.lightning_module, training=fitting)
 
