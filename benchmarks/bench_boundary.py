@@ -6,13 +6,16 @@ On two GPUs, about 1.3B parameters:
     python benchmarks/bench_boundary.py --accelerator gpu --layers 20 --width 8192
 
 A fit of one step, then a test, on one module (bf16-mixed, ZeRO-3). Measured side by side in the same run:
-- stagesafe: entering the stage (first handoff), and leaving it, split into consolidate (fp32 masters
-  gathered to host), destroy, restore, and the durable handoff write that runs in the background;
+- stagesafe: entering the stage (first handoff), and leaving it: how long the job is blocked from the end of
+  training until ``trainer.fit`` returns (Lightning's teardown included), split into consolidate (fp32 masters
+  gathered to host), destroy, restore; and the durable handoff write, which runs in the background after
+  the call has returned;
 - the Accelerate path: ``engine._zero3_consolidated_16bit_state_dict()`` + ``safetensors.torch.save_file``
   (16-bit weights only), timed on the live engine at the end of training;
 - ``safetensors.torch.save_file`` of the fp32 state dict the module ends with, to the same disk;
 - the floor: fp32 model bytes divided by the device-to-host bandwidth measured here (on the CPU: memcpy);
-- the disk's write bandwidth (write + fsync of the same number of bytes).
+- the disk's write bandwidth: write + fsync of the same number of bytes, by one writer and by 4 in
+  parallel, the better of the two.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
 
 
@@ -56,9 +60,17 @@ class AcceleratePath(Callback):
     def __init__(self, path: str) -> None:
         self.path = path
         self.gather = self.save = 0.0
+        self.stage_ended = 0.0
 
     def on_train_end(self, trainer, pl_module) -> None:
+        import deepspeed.utils
+
         engine = trainer.strategy.model
+        # the fp32 masters as the engine holds them, to check the boundary's copies bit for bit
+        self.masters = {
+            name: deepspeed.utils.safe_get_full_fp32_param(param).detach().cpu().clone()
+            for name, param in pl_module.named_parameters()
+        }
         dist.barrier()
         start = time.perf_counter()
         state = engine._zero3_consolidated_16bit_state_dict()
@@ -70,6 +82,12 @@ class AcceleratePath(Callback):
             self.save = time.perf_counter() - start
             os.remove(self.path)
         del state
+        dist.barrier()
+        self.stage_ended = time.perf_counter()
+
+    def on_test_end(self, trainer, pl_module) -> None:
+        dist.barrier()
+        self.stage_ended = time.perf_counter()
 
 
 def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]:
@@ -92,18 +110,29 @@ def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]
     return seconds, nbytes / seconds / 1e9
 
 
-def disk_write_seconds(nbytes: int, folder: str) -> float:
-    """Write + fsync ``nbytes`` in 64 MB blocks: what the disk sustains for a durable write."""
+def disk_write_seconds(nbytes: int, folder: str, writers: int = 1) -> float:
+    """Write + fsync ``nbytes`` in 64 MB blocks, split over ``writers`` files written by as many threads: what
+    the disk sustains for a durable write."""
+    from concurrent.futures import ThreadPoolExecutor
+
     block = memoryview(os.urandom(64 * 2**20))
-    path = os.path.join(folder, "disk-probe.bin")
+    share = -(-nbytes // writers)
+
+    def write(i: int) -> None:
+        path = os.path.join(folder, f"disk-probe-{i}.bin")
+        size = min(share, nbytes - i * share)
+        with open(path, "wb") as f:
+            for offset in range(0, size, len(block)):
+                f.write(block[: min(len(block), size - offset)])
+            f.flush()
+            os.fsync(f.fileno())
+
     start = time.perf_counter()
-    with open(path, "wb") as f:
-        for offset in range(0, nbytes, len(block)):
-            f.write(block[: min(len(block), nbytes - offset)])
-        f.flush()
-        os.fsync(f.fileno())
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(write, range(writers)))
     seconds = time.perf_counter() - start
-    os.remove(path)
+    for i in range(writers):
+        os.remove(os.path.join(folder, f"disk-probe-{i}.bin"))
     return seconds
 
 
@@ -132,11 +161,20 @@ def main() -> None:
     rows = []
     for stage in ("fit", "test"):
         getattr(trainer, stage)(model, data)
+        returned = time.perf_counter()
         report = strategy.last_boundary
-        rows.append((stage, report.enter_seconds, dict(report.phases), report.wrote))
+        rows.append((stage, report, returned - accelerate.stage_ended))
+    strategy.wait_for_handoff()  # the fit's write was joined by the test; this joins nothing more
 
+    module_equals_masters = all(
+        torch.equal(dict(model.named_parameters())[n].detach().view(torch.int32), m.view(torch.int32))
+        for n, m in accelerate.masters.items()
+    )
     if dist.get_rank() != 0:
         return
+    handoff = stagesafe.load_state_dict(strategy.handoff_uri)
+    handoff_equals_module = all(torch.equal(handoff[k].view(torch.uint8), v.view(torch.uint8))
+                                for k, v in model.state_dict().items())
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
     baseline_path = os.path.join(args.root, "baseline.safetensors")
@@ -145,27 +183,32 @@ def main() -> None:
     baseline = time.perf_counter() - start
     os.remove(baseline_path)
     d2h, bandwidth = device_to_host_seconds(nbytes, args.accelerator)
-    disk = disk_write_seconds(nbytes, args.root)
+    disk = min(disk_write_seconds(nbytes, args.root, 1), disk_write_seconds(nbytes, args.root, 4))
 
     print(f"\nmodel: {n_params / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB fp32; {args.devices} x {args.accelerator}, "
           f"{args.precision}; torch {torch.__version__}")
     print(f"floor (fp32 bytes / device-to-host {bandwidth:.1f} GB/s): {d2h:.3f} s; disk write+fsync: {disk:.3f} s "
           f"({nbytes / disk / 1e9:.2f} GB/s); save_file (page cache, no fsync): {baseline:.3f} s\n")
-    print("| path | blocks before the module is usable (s) | / floor | until the weights are on disk (s) |")
+    print(f"bitwise: module after fit == the engine's fp32 masters at the end of training: {module_equals_masters}; "
+          f"handoff == module: {handoff_equals_module}\n")
+    print("| path | blocks the job (s) | / floor | until the weights are on disk (s) |")
     print("| --- | --- | --- | --- |")
     acc_total = accelerate.gather + accelerate.save
     print(f"| Accelerate: 16-bit gather {accelerate.gather:.3f} + save_file {accelerate.save:.3f} | {acc_total:.3f} | "
           f"{acc_total / d2h:.1f}x | {acc_total:.3f} (16-bit only, no fsync) |")
-    for stage, enter, phases, wrote in rows:
-        usable = sum(v for k, v in phases.items() if k not in ("publish_wait", "handoff_write"))
-        total = usable + phases.get("publish_wait", 0.0)
+    for stage, report, blocked in rows:
+        phases = {k: v for k, v in report.phases.items() if k not in ("handoff_write", "first_handoff_write")}
+        write = report.phases.get("handoff_write")
         detail = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
-        print(f"| stagesafe leaving {stage} ({detail}) | {usable:.3f} | {usable / d2h:.1f}x | {total:.3f}"
-              f"{' (fp32, fsync)' if wrote else ' (nothing to write)'} |")
+        durable = f"{blocked + write:.3f} (fp32, fsync; written in the background)" if write else "(nothing to write)"
+        print(f"| stagesafe leaving {stage}: end of stage to return of the call ({detail}) | {blocked:.3f} | "
+              f"{blocked / d2h:.1f}x | {durable} |")
         if stage == "fit":
-            print(f"| stagesafe entering {stage} (first handoff, fp32, fsync) | {enter:.3f} | {enter / d2h:.1f}x | {enter:.3f} |")
-    write = rows[0][2].get("handoff_write", 0.0)
-    print(f"\nhandoff write after fit: {write:.3f} s = {nbytes / max(write, 1e-9) / 1e9:.2f} GB/s, "
+            enter, first = report.enter_seconds, report.phases.get("first_handoff_write", 0.0)
+            print(f"| stagesafe entering {stage} (first handoff: checked writable, written in the background in "
+                  f"{first:.3f} s) | {enter:.3f} | {enter / d2h:.1f}x | {enter + first:.3f} |")
+    write = rows[0][1].phases.get("handoff_write", 0.0)
+    print(f"\nhandoff write after fit (background): {write:.3f} s = {nbytes / max(write, 1e-9) / 1e9:.2f} GB/s, "
           f"{disk / max(write, 1e-9) * 100:.0f}% of the disk's write+fsync bandwidth; "
           f"handoff write / save_file: {write / baseline:.2f}x")
     print(f"\nreproduce: python benchmarks/bench_boundary.py --layers {args.layers} --width {args.width} "

@@ -88,6 +88,9 @@ def main() -> None:
         default_root_dir=args.out,
     )
     trainer.fit(module, train_dataloaders=data())
+    # fit returned as soon as the module held its weights; the handoff is written in the background. A reader
+    # outside stagesafe (transformers here) needs it committed first: join the write, on every rank.
+    trainer.strategy.wait_for_handoff()
     if trainer.global_rank != 0:
         return
     trained = module.model.eval()  # plain tensors again, fp32, on the CPU: no DeepSpeed state left

@@ -187,9 +187,21 @@ class GatheredValues(Mapping):
     ``to_dtype(name, tensor)`` turns each value into what the caller wants.
     """
 
-    def __init__(self, module: nn.Module, to_dtype: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        to_dtype: Callable[[str, torch.Tensor], torch.Tensor],
+        *,
+        into: Mapping[str, torch.Tensor] | None = None,
+        also_into: Mapping[str, torch.Tensor] | None = None,
+    ) -> None:
+        """``into``: fp32 host tensors that a master is copied into (and returned) instead of fresh memory;
+        ``also_into``: a second copy of it (a private one for a background writer)."""
         self._params, self._buffers = _named_tensors(module)
         self._to_dtype = to_dtype
+        self._into, self._also_into = dict(into or {}), dict(also_into or {})
+        self._devices: set[torch.device] = set()
+        self.copied: dict[str, torch.Tensor] = {}  # the ``also_into`` tensors filled so far
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._buffers:
@@ -198,16 +210,40 @@ class GatheredValues(Mapping):
         if has_fp32_master(param):
             import deepspeed.utils
 
-            master = deepspeed.utils.safe_get_full_fp32_param(param)
-            return self._to_dtype(name, master.detach().to("cpu").reshape(_full_shape(param)))
+            master = deepspeed.utils.safe_get_full_fp32_param(param).detach()
+            dest = self._into.get(name)
+            if dest is not None and _fits(dest, master):
+                self._devices.add(master.device)
+                dest.view(-1).copy_(master.view(-1), non_blocking=True)
+                copy = self._also_into.get(name)
+                if copy is not None and _fits(copy, master):
+                    copy.view(-1).copy_(master.view(-1), non_blocking=True)
+                    self.copied[name] = copy
+                return dest
+            return self._to_dtype(name, master.to("cpu").reshape(_full_shape(param)))
         with _gathered([param]):
             return self._to_dtype(name, param.data.detach().to("cpu", copy=True))
+
+    def synchronize(self) -> None:
+        """Wait for the copies into ``into``/``also_into`` (asynchronous into page-locked memory)."""
+        for device in self._devices:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self._params, *self._buffers])
 
     def __len__(self) -> int:
         return len(self._params) + len(self._buffers)
+
+
+def _fits(dest: torch.Tensor, master: torch.Tensor) -> bool:
+    return (
+        dest.device.type == "cpu"
+        and dest.dtype == master.dtype
+        and dest.numel() == master.numel()
+        and dest.is_contiguous()
+    )
 
 
 def partition_from_values(

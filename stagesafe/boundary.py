@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -19,10 +18,13 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from . import _dist, _zero
+from . import _dist, _inflight, _zero
+from ._fs import resolve, url_of
+from ._host import HostBuffers
+from ._parallel_write import names_written_by, shared_by_all_ranks, write_share
 from .errors import StaleDeepSpeedStateError
 from .restore import assign_values, load_for
-from .store import HandoffReader, load_state_dict, save_state_dict, save_streamed
+from .store import HandoffReader, check_writable, load_state_dict, save_state_dict, save_streamed
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
 
@@ -66,6 +68,8 @@ class _ModuleRecord:
     fingerprint: dict[str, tuple[int, int]] | None = None
     handoff_bytes: int = 0
     pending: "concurrent.futures.Future[dict] | None" = None  # a publish still running in the background
+    pending_url: str = ""  # where it writes
+    rewrite_next: bool = False  # whether the handoff holds the module's weights is unknown on some ranks
 
 
 _RECORDS: "weakref.WeakKeyDictionary[nn.Module, _ModuleRecord]" = weakref.WeakKeyDictionary()
@@ -106,24 +110,41 @@ def _note_size(record: _ModuleRecord, manifest: Mapping[str, Any] | None) -> Non
         record.handoff_bytes = int(manifest["total_size"])
 
 
-def _start_in_background(publish: Any) -> "concurrent.futures.Future[dict] | None":
-    """Run ``publish`` on rank 0 in a daemon thread; other ranks hold no future (they learn the outcome later)."""
-    if _dist.rank() != 0:
-        return concurrent.futures.Future()
-    future: concurrent.futures.Future[dict] = concurrent.futures.Future()
+def _start_in_background(
+    record: _ModuleRecord, target: HandoffTarget, write: Callable[[str], dict | None], *, every_rank: bool
+) -> None:
+    """Run ``write(key)`` in a thread that may outlive the Trainer call: on rank 0 (which commits), and with
+    ``every_rank`` on the others too (each writes its share). Other ranks learn the outcome when the ranks next
+    join it; readers wait for the outcome rank 0 posts under ``key``."""
+    url = url_of(*resolve(target.uri, target.storage_options))
+    record.pending_url = url
+    key = _inflight.next_key(url)
+    if _dist.rank() == 0:
+        record.pending = _inflight.start(url, key, lambda: write(key))
+    elif every_rank:
+        record.pending = _inflight.start_share(url, key, lambda: write(key))
+    else:
+        _inflight.mark_elsewhere(url, key)
+        record.pending = concurrent.futures.Future()
 
-    def run() -> None:
-        try:
-            future.set_result(publish())
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread, never swallowed
-            future.set_exception(exc)
 
-    threading.Thread(target=run, name="stagesafe-publish", daemon=True).start()
-    return future
+def _join_without_collectives(record: _ModuleRecord) -> None:
+    """After a failed stage, when collectives may not be trusted: rank 0 joins its write alone. Only rank 0
+    knows whether it succeeded, so every rank writes the handoff again at its next stage."""
+    pending, record.pending = record.pending, None
+    if pending is None:
+        return
+    if _dist.rank() == 0:
+        concurrent.futures.wait([pending])
+        if pending.exception() is not None:
+            log.error("stagesafe: the last handoff write failed (%s); the next stage writes it again",
+                      pending.exception())
+    _inflight.forget(record.pending_url)
+    record.rewrite_next = True
 
 
 def _wait_pending(record: _ModuleRecord) -> None:
-    """Join a background publish; a failure on rank 0 is raised on every rank."""
+    """Join a background publish (a collective); a failure on rank 0 is raised on every rank."""
     pending, record.pending = record.pending, None
     if pending is None:
         return
@@ -132,6 +153,8 @@ def _wait_pending(record: _ModuleRecord) -> None:
     except BaseException:
         record.fingerprint = None  # the handoff does not hold the module's weights: the next stage rewrites it
         raise
+    finally:
+        _inflight.forget(record.pending_url)
     _note_size(record, manifest)
 
 
@@ -181,13 +204,31 @@ class StageBoundary:
         *,
         meta: bool = False,
         materialize: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
+        training: bool = False,
+        device: torch.device | None = None,
+        background: bool = True,
+        single_node: bool = True,
     ) -> None:
         """``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
-        engine's partitions from the handoff, read one shard at a time."""
+        engine's partitions from the handoff, read one shard at a time. ``training``: the stage trains on
+        ``device``, so host memory for its end is prepared while it runs. ``background``: the handoff of a
+        trained stage will be written in the background (from a private copy of the weights), by every rank
+        at once when the storage is shared by all of them (``single_node``: a local path is)."""
         self.module = module
         self.target = target
         self.stage = stage
         self.meta = meta
+        self.training = training
+        self.device = device
+        self.background = background
+        self._every_rank = (
+            background
+            and not meta
+            and _dist.world_size() > 1
+            and shared_by_all_ranks(resolve(target.uri, target.storage_options)[0], single_node=single_node)
+        )
+        self._host: HostBuffers | None = None
+        self._copied: dict[str, torch.Tensor] = {}
         self._materialize = materialize
         self._meta_values: dict[str, torch.Tensor] | None = None
         self._footprint: _zero.ModuleFootprint | None = None
@@ -214,9 +255,7 @@ class StageBoundary:
                 "the module holds meta tensors: load weights first (stagesafe.restore(module, uri)), or run the "
                 "stage with StageSafeDeepSpeedStrategy(restore='meta')"
             )
-        if record is not None:
-            _wait_pending(record)
-        elif resume_from is not None and not on_meta:
+        if record is None and resume_from is not None and not on_meta:
             source = resume_from
             placed = _dist.all_ranks(  # every rank loads and checks; none changes its module unless all can
                 lambda: load_for(self.module, source.uri, storage_options=source.storage_options),
@@ -231,6 +270,9 @@ class StageBoundary:
             record.target = resume_from if on_meta else None
             _RECORDS[self.module] = record
         fingerprint = _fingerprint(tensors)
+        if on_meta or record.target != self.target or record.fingerprint != fingerprint:
+            _wait_pending(record)  # this stage reads or rewrites the handoff: the last write must be done first
+        # otherwise the last write goes on during this stage, and the stage's end joins it
         if on_meta:
             if record.target is None:
                 raise ValueError(
@@ -239,16 +281,28 @@ class StageBoundary:
                 )
         elif record.target != self.target or record.fingerprint != fingerprint:
             cpu = {n: t.to("cpu") for n, t in tensors.items()}
-            manifest = _dist.on_rank_zero(
-                lambda: self._publish(cpu, {**metadata, "stage": f"before {self.stage}"}), "writing the first handoff"
-            )
-            _note_size(record, manifest)
+            first = {**metadata, "stage": f"before {self.stage}"}
+            if self.background and not self.meta:
+                # Written while the engine is built and the stage runs, from tensors this boundary keeps and
+                # that nothing changes before the stage's end joins the write (the user's code is not running).
+                # A location that cannot be written fails the stage now, not at its end.
+                target = self.target
+                _dist.on_rank_zero(
+                    lambda: check_writable(target.uri, storage_options=target.storage_options),
+                    "writing the first handoff",
+                )
+                self._publish_in_background(record, cpu, first, phase="first_handoff_write")
+            else:
+                manifest = _dist.on_rank_zero(lambda: self._publish(cpu, first), "writing the first handoff")
+                _note_size(record, manifest)
             record.target = self.target
             record.fingerprint = fingerprint
             self.report.enter_wrote = True
         self._footprint = _zero.take_footprint(self.module)
         self._entry = tensors
         self._entry_fingerprint = fingerprint
+        if self.training and not on_meta and not self.meta:
+            self._host = self._prepare_host(tensors, record)
         if on_meta:  # feed the engine from the handoff one shard, one submodule at a time
             source_target = record.target
             reader = HandoffReader(source_target.uri, storage_options=source_target.storage_options)
@@ -287,6 +341,18 @@ class StageBoundary:
         record = _RECORDS[self.module]
         failure: BaseException | None = None  # raised at the end, once the module is clean again
         values: dict[str, torch.Tensor] | None = None
+        rewrite = False  # the last background write failed: write this stage's weights in any case
+        if background:
+            try:
+                _wait_pending(record)  # before the memory it reads from is reused
+            except BaseException as exc:  # noqa: BLE001 - the weights are still here: rewritten below
+                log.error("stagesafe: the last handoff write failed (%s); this stage writes the handoff again", exc)
+                rewrite = True
+        else:
+            _join_without_collectives(record)
+        mark("join_last_write")
+        host = self._host.ready() if self._host is not None else None
+        mark("host_memory_ready")
         streamed = engine is not None and trained and self.meta
         meta_specs = _zero.full_specs(self.module)[0] if self.meta else {}  # shapes, before the engine goes
         to_meta, published = self.meta, True
@@ -299,7 +365,7 @@ class StageBoundary:
                     failure, to_meta, published = exc, False, False
                     values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
             elif engine is not None and trained:
-                values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
+                values = _dist.all_ranks(lambda: self._consolidate(record, host), "consolidating the ZeRO shards")
             elif self._loaded is not None:
                 values = {
                     n: v.detach().to("cpu", record.original[n][0])
@@ -309,6 +375,9 @@ class StageBoundary:
         except BaseException as exc:  # noqa: BLE001 - the module falls back to the last handoff, then we raise
             failure, values = failure or exc, None
         mark("consolidate")
+        if host is not None:
+            host.unlock_in_background(host.existing.values())  # the module's tensors: plain memory again
+            mark("unlock")
         if engine is not None:
             _zero.destroy_engine(engine)
         _zero.strip_deepspeed_state(self.module, self._footprint)
@@ -317,7 +386,8 @@ class StageBoundary:
             self.report.wrote = True
             publish_values, publish_meta = values, {**metadata, "stage": self.stage}
             if background and not to_meta:
-                record.pending = _start_in_background(lambda: self._publish(publish_values, publish_meta))
+                self._publish_in_background(record, publish_values, publish_meta, private=True, host=host)
+                host = None  # the writer unlocks its copy when done
             else:
                 try:
                     manifest = _dist.on_rank_zero(
@@ -328,6 +398,16 @@ class StageBoundary:
                     failure, published = failure or exc, False
         elif values is None and not to_meta:
             values = self._unchanged_values(record)
+            if rewrite:
+                unchanged, meta_info = values, {**metadata, "stage": self.stage}
+                try:
+                    manifest = _dist.on_rank_zero(lambda: self._publish(unchanged, meta_info), "writing the handoff")
+                    _note_size(record, manifest)
+                    self.report.wrote = True
+                except BaseException as exc:  # noqa: BLE001 - the module keeps its weights; then we raise
+                    failure, published = failure or exc, False
+        if host is not None:
+            host.unlock()
         if to_meta:
             values = {
                 name: torch.empty(shape, dtype=record.original[name][0], device="meta")
@@ -339,8 +419,9 @@ class StageBoundary:
             self._meta_values = values  # placed by place_meta(), once Lightning's teardown has moved the module
         else:
             self._restore(values, record)
-        if not published:
-            record.fingerprint = None  # the handoff does not hold these weights: the next stage rewrites it
+        if not published or record.rewrite_next:
+            record.fingerprint = None  # the handoff may not hold these weights: the next stage rewrites it
+            record.rewrite_next = False
         mark("restore")
         self.report.handoff_bytes = record.handoff_bytes
         self.report.stale_problems = _zero.find_stale_state(self.module)
@@ -362,6 +443,13 @@ class StageBoundary:
             record.target = self.target
         record.fingerprint = _fingerprint(_state_tensors(self.module))
         self.report.stale_problems = _zero.find_stale_state(self.module)
+
+    @staticmethod
+    def wait_for_module(module: nn.Module) -> None:
+        """Join the module's background write, if one is running (a collective: every rank calls it)."""
+        record = _RECORDS.get(module)
+        if record is not None:
+            _wait_pending(record)
 
     def wait_published(self) -> float:
         """Block until a background publish is committed; raise its failure on every rank. Returns seconds waited."""
@@ -435,14 +523,110 @@ class StageBoundary:
 
         _dist.all_ranks(write, "gathering and writing the handoff")
 
-    def _consolidate(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
-        """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged."""
+    def _consolidate(self, record: _ModuleRecord, host: HostBuffers | None) -> dict[str, torch.Tensor]:
+        """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged.
+
+        With ``host``, masters are copied into the module's own (page-locked) tensors, and on rank 0 into a
+        private copy for the writer, instead of into fresh memory.
+        """
         specs, aliases = _zero.full_specs(self.module)
-        gathered = _zero.GatheredValues(self.module, self._to_original(record))
+        gathered = _zero.GatheredValues(
+            self.module,
+            self._to_original(record),
+            into=host.existing if host is not None else None,
+            also_into=host.fresh if host is not None else None,
+        )
         values: dict[str, torch.Tensor] = {}
         for name in specs:  # the same order on every rank: each lookup is a collective
             values[name] = values[aliases[name]] if name in aliases else gathered[name]  # tied: one tensor
+        gathered.synchronize()
+        self._copied = gathered.copied
         return {n: values[n] for n in record.original if n in values}
+
+    def _prepare_host(self, tensors: Mapping[str, torch.Tensor], record: _ModuleRecord) -> HostBuffers | None:
+        """Host memory for a training stage's end, made ready while it runs: the module's own fp32 CPU tensors
+        (which this boundary keeps alive anyway) take the masters in place, and rank 0, which writes in the
+        background, gets a private copy that later changes to the module cannot reach."""
+        trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}  # tied: first name only
+        into = {
+            n: t
+            for n, t in tensors.items()
+            if n in trainable
+            and t.device.type == "cpu"
+            and t.dtype == torch.float32
+            and record.original[n][0] == torch.float32
+        }
+        if not into:
+            return None
+        written_here = self._names_this_rank_writes(tensors)
+        private = {n: (t.shape, t.dtype) for n, t in into.items() if n in written_here}
+        lock_on = self.device if self.device is not None and self.device.type == "cuda" else None
+        return HostBuffers(into, private, lock_on=lock_on)
+
+    def _names_this_rank_writes(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+        """The names whose shards this rank will write in the background (the plan's grouping does not depend
+        on the file names, which are only agreed on at the stage's end)."""
+        if not self.background:
+            return set()
+        if not self._every_rank:
+            return set(tensors) if _dist.rank() == 0 else set()
+        return names_written_by(
+            tensors, max_shard_size=self.target.max_shard_size, rank=_dist.rank(), world=_dist.world_size()
+        )
+
+    def _private_copies(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a background writer reads: the private copies made while consolidating, clones of the rest."""
+        copied, by_id = self._copied, {}
+        private = {}
+        for name, value in values.items():
+            if id(value) not in by_id:  # tied names share one tensor, and one copy
+                by_id[id(value)] = copied[name] if name in copied else value.clone()
+            private[name] = by_id[id(value)]
+        return private
+
+    def _publish_in_background(
+        self,
+        record: _ModuleRecord,
+        values: Mapping[str, torch.Tensor],
+        metadata: Mapping[str, Any],
+        *,
+        private: bool = False,
+        host: HostBuffers | None = None,
+        phase: str = "handoff_write",
+    ) -> None:
+        """Write ``values`` in the background, by rank 0 alone or by every rank (a share each). ``private``: the
+        write may outlast the Trainer call, so it reads copies the user cannot change (only of the shards this
+        rank writes). ``host`` is unlocked once the write is done."""
+        target, rank, world = self.target, _dist.rank(), _dist.world_size()
+        if self._every_rank:
+            if private:
+                mine = self._names_this_rank_writes(values)
+                values = {**values, **self._private_copies({n: values[n] for n in mine})}
+            handoff_metadata = self._handoff_metadata(metadata)
+
+            def write(key: str) -> dict | None:
+                start = time.perf_counter()
+                try:
+                    return write_share(
+                        values, target.uri, target.storage_options, max_shard_size=target.max_shard_size,
+                        rank=rank, world=world, key=key, store=_inflight.job_store(), metadata=handoff_metadata,
+                    )
+                finally:
+                    self.report.phases[phase] = time.perf_counter() - start
+                    if host is not None:
+                        host.unlock()
+        else:
+            if private and rank == 0:
+                values = self._private_copies(values)
+
+            def write(key: str) -> dict | None:
+                try:
+                    return self._publish(values, metadata, phase=phase)
+                finally:
+                    if host is not None:
+                        host.unlock()
+
+        _start_in_background(record, target, write, every_rank=self._every_rank)
 
     def _unchanged_values(self, record: _ModuleRecord) -> dict[str, torch.Tensor]:
         """After a stage that changed nothing: the entry tensors if untouched, else the handoff itself."""
@@ -452,23 +636,28 @@ class StageBoundary:
             return entry
         return load_state_dict(self.target.uri, storage_options=self.target.storage_options)
 
-    def _publish(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
+    def _publish(
+        self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any], *, phase: str = "handoff_write"
+    ) -> dict:
         start = time.perf_counter()
         try:
             return self._write(values, metadata)
         finally:
-            self.report.phases["handoff_write"] = time.perf_counter() - start  # on rank 0, perhaps in a thread
+            self.report.phases[phase] = time.perf_counter() - start  # on rank 0, perhaps in a thread
 
-    def _write(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
+    def _handoff_metadata(self, metadata: Mapping[str, Any]) -> dict[str, Any]:
         dtypes = {
             n: str(record_dtype).replace("torch.", "")
             for n, (record_dtype, _) in _RECORDS[self.module].original.items()
         }
+        return {**metadata, "original_dtypes": dtypes}
+
+    def _write(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
         return save_state_dict(
             values,
             self.target.uri,
             max_shard_size=self.target.max_shard_size,
-            metadata={**metadata, "original_dtypes": dtypes},
+            metadata=self._handoff_metadata(metadata),
             storage_options=self.target.storage_options,
         )
 

@@ -12,6 +12,7 @@ __all__ = [
     "HandoffNotFoundError",
     "HandoffCorruptError",
     "HandoffExistsError",
+    "HandoffNotReadyError",
     "StateDictMismatchError",
     "StaleDeepSpeedStateError",
     "CheckpointFormatError",
@@ -41,6 +42,10 @@ class HandoffCorruptError(StageSafeError, ValueError):
 
 class HandoffExistsError(StageSafeError, FileExistsError):
     """The destination already holds a handoff and overwriting was not asked for."""
+
+
+class HandoffNotReadyError(StageSafeError, RuntimeError):
+    """Another rank of this job is still writing the handoff in the background; join it first."""
 
 
 class StateDictMismatchError(StageSafeError, KeyError):

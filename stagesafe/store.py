@@ -22,9 +22,9 @@ import functools
 import hashlib
 import importlib.metadata
 import json
+import logging
 import math
 import os
-import logging
 import platform
 import sys
 import threading
@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 
 import fsspec
 import safetensors
-import safetensors.torch
 import torch
 
+from stagesafe import _inflight, _local_shards
 from stagesafe._fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
 from stagesafe._planning import (
     INDEX_NAME,
@@ -52,6 +52,7 @@ from stagesafe._planning import (
     plan_shards,
     shard_file_names,
     shard_names,
+    temp_name,
     validate_manifest,
 )
 from stagesafe._retry import RetryPolicy, TransferAbandoned, call_with_retries
@@ -83,6 +84,7 @@ log = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
 _CHUNK = 16 * 1024 * 1024  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
+_WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a few times, under a busy trainer
 _MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
 _REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
@@ -200,12 +202,18 @@ def _write_shard(
     digests: list[str] = []
 
     def stream() -> Iterator[bytes | memoryview]:
-        """The shard's bytes straight from the tensors (no serialized copy), hashed on the way out; a lazy
-        mapping is read one tensor at a time."""
+        """The shard's bytes straight from the tensors (no serialized copy), hashed on the way out by a thread
+        of its own, so that hashing a chunk overlaps writing it; a lazy mapping is read one tensor at a time."""
         digest = hashlib.sha256()
-        for chunk in _safetensors_chunks(header, specs, tensors):
-            digest.update(chunk)
-            yield chunk
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stagesafe-sha256") as hasher:
+            hashed: concurrent.futures.Future | None = None
+            for chunk in _safetensors_chunks(header, specs, tensors):
+                if hashed is not None:
+                    hashed.result()  # in order, and at most one chunk ahead of the file
+                hashed = hasher.submit(digest.update, chunk)
+                yield chunk
+            if hashed is not None:
+                hashed.result()
         digests.append(digest.hexdigest())
 
     path = join(root, file_name)
@@ -217,6 +225,8 @@ def _write_shard(
         hint=_UNCHANGED,
         writing=True,
     )
+    if is_local(fs):
+        _local_shards.remember(path, digests[-1])  # a load in this process need not hash it again
     return ShardRecord(sha256=digests[-1], size=size)
 
 
@@ -377,11 +387,29 @@ def save_streamed(
     return commit(fs, root, plan, records, metadata=metadata, retry=once)
 
 
+def check_writable(
+    uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+) -> None:
+    """Fail now rather than after a stage: write and delete a small temporary file under ``uri`` (a path that
+    cannot be created, missing credentials or permissions, no such bucket)."""
+    fs, root = resolve(uri, storage_options)
+    path = join(root, temp_name(MANIFEST_NAME))  # a name the store's own cleanup removes, should this be left
+    _transfer(
+        lambda: write_atomic(fs, path, b"{}"),
+        what=f"write to {url_of(fs, root)!r}",
+        retry=_check_retry(retry),
+        hint=_UNCHANGED,
+        writing=True,
+    )
+    _remove(fs, path)
+
+
 def read_manifest(
     uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
 ) -> dict[str, Any]:
     """The manifest of the committed handoff at ``uri`` (validated, shards not checked)."""
     fs, root = resolve(uri, storage_options)
+    _inflight.wait_for(url_of(fs, root))
     return _fetch_manifest(fs, root, _check_retry(retry))
 
 
@@ -392,21 +420,27 @@ def load_state_dict(
     device: str | torch.device = "cpu",
     workers: int | None = None,
     retry: RetryPolicy | None = None,
+    verify: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Load the committed handoff at ``uri``, every shard checked against the manifest before it is parsed.
 
-    Downloads ``workers`` shards at a time (default: 4 on a remote filesystem, 1 on a local disk), each tried
-    again on transient errors as ``retry`` says; besides the result, about ``workers`` shards' bytes are in
-    memory at once. Tied names come back as the same tensor object, in the order they were saved.
+    Reads ``workers`` shards at a time (default: 4 on a remote filesystem, up to 4 on a local disk), each tried
+    again on transient errors as ``retry`` says. A local shard is read once and hashed as it arrives; one this
+    process already hashed (it wrote or loaded it), unchanged since, is mapped lazily, as ``load_file`` does.
+    ``verify=False`` skips the sha256 of every shard (sizes and headers are still checked). Tensors are views
+    of their shard's buffer; tied names come back as the same tensor object, in the order they were saved.
     """
     fs, root = resolve(uri, storage_options)
     workers = _check_workers(workers, fs)
     retry = _check_retry(retry)
     device = torch.device(device)
+    if not isinstance(verify, bool):
+        raise InvalidArgumentError(f"verify={verify!r} must be True or False")
+    _inflight.wait_for(url_of(fs, root))
     manifest = _fetch_manifest(fs, root, retry)
     for _ in range(3):
         try:
-            return _load(fs, root, manifest, device, workers=workers, retry=retry)
+            return _load(fs, root, manifest, device, workers=workers, retry=retry, verify=verify)
         except (_ShardVanished, HandoffCorruptError) as exc:
             # A writer may have committed a new handoff and deleted or reused this one's shard names while we
             # read: start over from the new manifest. If the manifest is unchanged, the shard is really lost.
@@ -436,6 +470,7 @@ def verify(
     retry = _check_retry(retry)
     fs.invalidate_cache(root)  # sizes must come from the store, not from a listing cached before a write
     url = url_of(fs, root)
+    _inflight.wait_for(url)
     manifest = _fetch_manifest(fs, root, retry)
     by_shard = shard_names(manifest["weight_map"], list(manifest["shards"]))
 
@@ -549,10 +584,36 @@ def _each(items: Sequence[str], fn: Callable[[str, threading.Event], T], workers
     return {item: future.result() for item, future in zip(items, futures)}
 
 
-def _write_shards(
-    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, *, workers: int, retry: RetryPolicy
+def write_shards(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    files: Iterable[str],
+    *,
+    workers: int | None = None,
+    retry: RetryPolicy | None = None,
 ) -> dict[str, ShardRecord]:
-    """Write every shard of ``plan``, ``workers`` at a time; if one fails, delete those written and raise."""
+    """Write the shards ``files`` of ``plan`` (a share of them: each rank of a job may write its own), ``workers``
+    at a time; if one fails, delete those written and raise. :func:`commit` then publishes them all."""
+    wanted = list(files)
+    unknown = [f for f in wanted if f not in plan.shards]
+    if unknown:
+        raise InvalidArgumentError(f"{unknown[:3]} are not shards of the plan; take the names from plan.shards")
+    return _write_shards(fs, root, plan, workers=_check_workers(workers, fs), retry=_check_retry(retry), only=wanted)
+
+
+def _write_shards(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    *,
+    workers: int,
+    retry: RetryPolicy,
+    only: list[str] | None = None,
+) -> dict[str, ShardRecord]:
+    """Write the shards of ``plan`` (or ``only`` these), ``workers`` at a time; if one fails, delete those
+    written and raise."""
+    files = list(plan.shards) if only is None else only
     lock = threading.Lock()
     written: dict[str, ShardRecord] = {}
 
@@ -562,13 +623,13 @@ def _write_shards(
             written[file_name] = record
 
     try:
-        _each(list(plan.shards), one, workers)
+        _each(files, one, workers)
     except BaseException:
         # Never a live file: the plan's names avoid the committed handoff's. One try each: if the store is
         # down, the next save deletes them.
         _each(list(written), lambda name, _: _remove(fs, join(root, name)), workers)
         raise
-    return {file_name: written[file_name] for file_name in plan.shards}
+    return {file_name: written[file_name] for file_name in files}
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -659,7 +720,9 @@ def _safetensors_chunks(
                 f"{spec['dtype']}{list(spec['shape'])}; the state dict changed while it was being written"
             )
         if tensor.numel():
-            yield memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+            for start in range(0, len(data), _WRITE_CHUNK):  # hashing one piece overlaps writing another
+                yield data[start : start + _WRITE_CHUNK]
         del tensor
 
 
@@ -871,9 +934,10 @@ def _load(
     *,
     workers: int,
     retry: RetryPolicy,
+    verify: bool,
 ) -> dict[str, torch.Tensor]:
     def one(file_name: str, stop: threading.Event) -> dict[str, torch.Tensor]:
-        return _read_shard(fs, root, manifest, file_name, device, retry=retry, stop=stop)
+        return _read_shard(fs, root, manifest, file_name, device, retry=retry, stop=stop, verify=verify)
 
     stored: dict[str, torch.Tensor] = {}
     for tensors in _each(list(manifest["shards"]), one, workers).values():
@@ -891,20 +955,32 @@ def _read_shard(
     *,
     retry: RetryPolicy,
     stop: threading.Event | None = None,
+    verify: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """One shard's tensors, its size and sha256 checked against the manifest before it is parsed."""
+    """One shard's tensors, its size and sha256 checked against the manifest before it is parsed (without
+    ``verify``, or for a local file this process has already hashed, its size only, and mapped lazily)."""
     url = url_of(fs, root)
     rec, path = manifest["shards"][file_name], join(root, file_name)
+    what = f"read shard {file_name!r} of {url!r}"
     try:
-        data = _transfer(lambda: fs.cat_file(path), what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop)
+        if is_local(fs) and (not verify or _local_shards.known(path, rec["sha256"])):
+            buffer = _transfer(lambda: _local_shards.map_file(path), what=what, retry=retry, stop=stop)
+            _check_bytes(url, file_name, rec, buffer.numel(), None)
+        elif is_local(fs):
+            buffer, digest = _transfer(lambda: _local_shards.read_hashed(path), what=what, retry=retry, stop=stop)
+            _check_bytes(url, file_name, rec, buffer.numel(), digest)
+            _local_shards.remember(path, digest)
+        else:
+            data = _transfer(lambda: fs.cat_file(path), what=what, retry=retry, stop=stop)
+            _check_bytes(url, file_name, rec, len(data), hashlib.sha256(data).hexdigest())
+            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            del data
     except FileNotFoundError:
         raise _ShardVanished(_missing_message(url, file_name)) from None
-    _check_bytes(url, file_name, rec, len(data), hashlib.sha256(data).hexdigest())
     try:
-        tensors = safetensors.torch.load(data)
+        tensors = _local_shards.tensors_in(buffer)
     except Exception as exc:  # the hash matched, so only a forged manifest gets here
         raise HandoffCorruptError(f"{url!r}: shard {file_name!r} is not a safetensors file ({exc})") from None
-    del data
     found = {name: (_dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()}
     expected = shard_names(manifest["weight_map"], list(manifest["shards"]))[file_name]
     _check_contents(url, file_name, expected, found, manifest["tensors"])
@@ -923,6 +999,7 @@ class HandoffReader(Mapping):
     ) -> None:
         self._retry = _check_retry(retry)
         self._fs, self._root = resolve(uri, storage_options)
+        _inflight.wait_for(url_of(self._fs, self._root))
         self.manifest = _fetch_manifest(self._fs, self._root, self._retry)
         self._cached: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
 

@@ -49,6 +49,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             tensors (no host memory); the next stage's engine is built from the handoff one submodule at a time,
             and a trained stage's weights are gathered and written one tensor at a time (ZeRO-3 only).
             ``stagesafe.restore(module, uri)`` materialises the module on demand.
+        wait_for_write: ``False`` (default): a Trainer call returns as soon as the module holds its weights;
+            the handoff's durable write goes on in the background (from a private copy on rank 0) and is
+            joined by the next stage, by :meth:`wait_for_handoff`, or at interpreter exit. Readers of the
+            handoff in this process wait for it. ``True``: each call returns once its handoff is committed.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -61,6 +65,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         max_shard_size: Union[int, str] = "1GB",
         resume_from: Optional[str] = None,
         restore: str = "cpu",
+        wait_for_write: bool = False,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
@@ -79,6 +84,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 "engine cannot be built from the handoff one submodule at a time; use restore='cpu'"
             )
         self.restore_mode = restore
+        if not isinstance(wait_for_write, bool):
+            raise TypeError(f"wait_for_write must be True or False, got {wait_for_write!r}")
+        self.wait_for_write = wait_for_write
         self.storage_options = dict(storage_options or {})
         self.max_shard_size = max_shard_size
         self._boundary: Optional[StageBoundary] = None
@@ -97,6 +105,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             trainer.state.fn.value,
             meta=meta,
             materialize=self._partition_from_handoff if meta else None,
+            training=trainer.state.fn == TrainerFn.FITTING,
+            device=self.root_device,
+            background=not self.wait_for_write,
+            single_node=self.num_nodes == 1,
         )
         resume = None
         if self.resume_from is not None:
@@ -246,23 +258,41 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 boundary.place_meta()
 
     def wait_for_handoff(self) -> None:
-        """Return once the last stage's handoff is committed (raise its failure on every rank), and log it."""
+        """Return once the last stage's handoff is committed (raise its failure on every rank). A collective:
+        call it on every rank, e.g. before another process reads the handoff."""
         boundary, self._publishing = self._publishing, None
-        if boundary is None:
+        if boundary is not None:
+            boundary.wait_published()
+            self._log_boundary(boundary.report, waited=True)
+        elif self.lightning_module is not None:
+            StageBoundary.wait_for_module(self.lightning_module)
+
+    def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
+        if not self.is_global_zero:
             return
-        boundary.wait_published()
-        report = boundary.report
-        if self.is_global_zero:
-            log.info(
-                "stagesafe: %s boundary %.2fs (waited %.2fs for the upload); handoff %s at %s (%.1f MB)%s",
-                report.stage,
-                report.seconds,
-                report.phases.get("publish_wait", 0.0),
-                "written" if report.wrote else ("written on entry" if report.enter_wrote else "unchanged"),
-                report.uri,
-                report.handoff_bytes / 1e6,
-                "" if report.clean else f"; NOT clean: {report.stale_problems}",
-            )
+        if report.wrote and not waited:
+            written = "being written in the background"
+        else:
+            written = "written" if report.wrote else ("written on entry" if report.enter_wrote else "unchanged")
+        log.info(
+            "stagesafe: %s boundary %.2fs (waited %.2fs for the write); handoff %s at %s%s%s",
+            report.stage,
+            report.seconds,
+            report.phases.get("publish_wait", 0.0),
+            written,
+            report.uri,
+            f" ({report.handoff_bytes / 1e6:.1f} MB)" if report.handoff_bytes else "",
+            "" if report.clean else f"; NOT clean: {report.stale_problems}",
+        )
+
+    def _stage_returned(self) -> None:
+        """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
+        if self.wait_for_write:
+            self.wait_for_handoff()
+            return
+        boundary = self._publishing
+        if boundary is not None:
+            self._log_boundary(boundary.report, waited=False)
 
     @classmethod
     @override
@@ -292,14 +322,14 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
 
 class _WaitForHandoff(Callback):
-    """The Trainer's last hook of a call (after the strategy's teardown): the call returns only once the
-    handoff is committed, and an upload failure is raised from it."""
+    """The Trainer's last hook of a call (after the strategy's teardown): with ``wait_for_write=True`` the call
+    returns only once the handoff is committed, and a write failure is raised from it."""
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, StageSafeDeepSpeedStrategy):
-            strategy.wait_for_handoff()
+            strategy._stage_returned()
 
 
 def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:

@@ -494,3 +494,57 @@ def test_workers_and_retry_arguments_are_checked(url):
     with pytest.raises(InvalidArgumentError, match="must be a stagesafe.store.RetryPolicy"):
         load_state_dict(url, retry=3)
     assert files(url) == set()
+
+
+def test_a_shard_this_process_wrote_is_mapped_but_a_changed_one_is_hashed_again(tmp_path):
+    from stagesafe import _local_shards
+
+    url = str(tmp_path / "handoff")
+    sd, shards = _three_shards(url)
+    path = str(tmp_path / "handoff" / shards[1])
+    digest = read_manifest(url)["shards"][shards[1]]["sha256"]
+    assert _local_shards.known(path, digest)  # the writer hashed these very bytes: no second pass needed
+    assert_bitwise_equal(load_state_dict(url), sd)
+    _flip_byte(url, shards[1])  # a new file (same name): no longer the one that was hashed
+    assert not _local_shards.known(path, digest)
+    with pytest.raises(HandoffCorruptError, match="sha256"):
+        load_state_dict(url)
+
+
+def test_verify_false_checks_sizes_and_headers_but_not_hashes(tmp_path):
+    url = str(tmp_path / "handoff")
+    sd, shards = _three_shards(url)
+    _flip_byte(url, shards[1])
+    loaded = load_state_dict(url, verify=False)  # what load_file would give: the changed byte included
+    changed = [name for name in sd if not torch.equal(bits(loaded[name]), bits(sd[name]))]
+    assert len(changed) == 1
+    _truncate(url, shards[2])
+    with pytest.raises(HandoffCorruptError, match="bytes, the manifest says"):
+        load_state_dict(url, verify=False)
+    with pytest.raises(InvalidArgumentError, match="verify="):
+        load_state_dict(url, verify="yes")
+
+
+def test_a_loaded_shard_holds_views_of_one_buffer_that_safetensors_can_save(tmp_path):
+    url = str(tmp_path / "handoff")
+    sd = {"a": torch.arange(10, dtype=torch.float16), "b": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+    save_state_dict(sd, url)
+    loaded = load_state_dict(url)
+    assert loaded["a"].untyped_storage().data_ptr() == loaded["b"].untyped_storage().data_ptr()
+    assert_bitwise_equal(loaded, sd)
+    safetensors.torch.save_file(loaded, str(tmp_path / "again.safetensors"))  # views that do not overlap
+    again = safetensors.torch.load_file(str(tmp_path / "again.safetensors"))
+    assert_bitwise_equal({name: again[name] for name in sd}, sd)
+
+
+def test_check_writable_fails_early_and_leaves_nothing(tmp_path):
+    from stagesafe.errors import StorageTransferError
+    from stagesafe.store import check_writable
+
+    url = str(tmp_path / "handoff")
+    check_writable(url)
+    assert files(url) == set()  # the probe file is gone
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    with pytest.raises(StorageTransferError, match="a_file"):
+        check_writable(str(blocker / "handoff"))

@@ -12,6 +12,8 @@ import os
 import sys
 
 import pytest
+
+import stagesafe
 import torch
 
 from stagesafe import load_state_dict, read_manifest, restore, verify
@@ -249,6 +251,49 @@ def test_a_failed_handoff_upload_is_raised_on_every_rank_and_nothing_is_lost(sta
     assert failed["probe"]["digest"] != first["probe"]["digest"]
     _assert_clean(test)
     assert test["handoff_digest"] == failed["probe"]["digest"]  # the next stage wrote the missing handoff
+
+
+def test_a_failed_background_write_is_written_again_by_the_next_stage(stagesafe_run):
+    name = "stagesafe:background_write_fails"
+    first, failed, test = _stages(stagesafe_run, name)
+    assert failed["error"] is None  # the call returned before its write failed
+    assert failed["manifest_stage_after_failed_write"] == "fit"  # the first fit's handoff is intact
+    assert failed["handoff_digest"] == first["probe"]["digest"] != failed["probe"]["digest"]
+    _assert_clean(failed)
+    _assert_clean(test)  # the next stage joined the failed write, logged it and wrote the handoff again
+    assert test["handoff_digest"] == failed["probe"]["digest"] == test["probe"]["digest"]
+    on_rank_1 = _stages(stagesafe_run, name, rank=1)
+    assert "failed on rank 0 (StorageTransferError" in on_rank_1[1]["read_error"]  # a reader there is told
+    assert on_rank_1[2]["error"] is None
+
+
+def test_every_rank_writes_a_share_of_the_shards_and_a_failed_share_commits_nothing(stagesafe_run):
+    name = "stagesafe:share_fails_on_rank_1"
+    first, failed, test = _stages(stagesafe_run, name)
+    on_rank_1 = _stages(stagesafe_run, name, rank=1)
+    assert first["wrote_a_share"] and on_rank_1[0]["wrote_a_share"]  # both ranks wrote shards of the first fit
+    assert failed["error"] is None and on_rank_1[1]["error"] is None
+    # rank 1 could not write its shards, so rank 0 committed nothing: the first fit's handoff is still there
+    assert failed["manifest_stage_after_failed_write"] == "fit"
+    assert failed["handoff_digest"] == first["probe"]["digest"] != failed["probe"]["digest"]
+    assert "on rank 1: StorageTransferError" in on_rank_1[1]["read_error"]
+    _assert_clean(test)  # the next stage wrote it again
+    assert test["handoff_digest"] == failed["probe"]["digest"]
+    manifest = stagesafe.read_manifest(stagesafe_run["rank0"][name]["handoff_uri"])
+    assert len(manifest["shards"]) > 2
+
+
+def test_a_background_write_is_a_private_copy_that_readers_wait_for(stagesafe_run):
+    (rank0,) = _stages(stagesafe_run, "stagesafe:gated_write")
+    (rank1,) = _stages(stagesafe_run, "stagesafe:gated_write", rank=1)
+    for stage in (rank0, rank1):
+        assert stage["still_writing"]  # fit returned while its handoff write was held at the gate
+        assert stage["digest_after_change"] != stage["digest_when_fit_returned"]
+    _assert_clean(rank0)
+    # rank 0's read waited for the write, which holds the weights fit returned, not the ones changed since
+    assert rank0["read_while_writing_digest"] == rank0["digest_when_fit_returned"]
+    # rank 1's read waited for rank 0's write to end (then found nothing: memory:// is private to a process)
+    assert rank1["read_waited_seconds"] > 0.3 and rank1["read_error"] == "HandoffNotFoundError"
 
 
 def test_a_later_job_resumes_from_a_handoff(stagesafe_run):

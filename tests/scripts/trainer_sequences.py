@@ -8,8 +8,10 @@ each rank writes OUT_PREFIX.rank<r>.json. A case is a dict:
   indices that wrap the previous backbone in a new LightningModule), user_config (a DeepSpeed config dict
   shared by every strategy of the case), checkpoint (ModelCheckpoint on), frozen_hidden, zero_stage,
   fail_at_step (training_step raises once at that global step), continue_after_error, max_steps,
-  file_size_limit_at (stage index during which rank 0 may not write files over 2 kB), restore ("cpu" |
-  "meta"), meta_module (build the module on the meta device).
+  file_size_limit_at (stage index during which rank 0 may not write files over 2 kB; with
+  background_failure, the limit holds until rank 0's background write has failed), restore ("cpu" |
+  "meta"), meta_module (build the module on the meta device), wait_for_write, gated_write (the handoff
+  goes to gatedmem://, whose writes wait until the script opens the gate: see run_gated_fit).
 A spec may also name "case_groups" built by matrix_cases / scenario_cases below.
 """
 
@@ -21,6 +23,8 @@ import os
 import resource
 import signal
 import sys
+import threading
+import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -31,8 +35,35 @@ import torch.distributed as dist  # noqa: E402
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint  # noqa: E402
 from toy import ToyModule, dataloader, probe, state_digest, state_digest_of  # noqa: E402
 
+import fsspec  # noqa: E402
+from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
+
+import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
 from stagesafe._cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
+
+
+class GatedMemoryFileSystem(MemoryFileSystem):
+    """memory:// whose file writes wait while the gate is closed: holds a background write in flight."""
+
+    protocol = "gatedmem"
+    gate = threading.Event()
+
+    def _open(self, path, mode="rb", **kwargs):
+        if "w" in mode:
+            self.gate.wait()
+        return super()._open(path, mode, **kwargs)
+
+
+GatedMemoryFileSystem.gate.set()
+fsspec.register_implementation("gatedmem", GatedMemoryFileSystem, clobber=True)
+
+
+class CloseGateWhenTrainingEnds(Callback):
+    """The handoff written when this fit ends stays in flight until the script opens the gate again."""
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        GatedMemoryFileSystem.gate.clear()
 
 
 class MasterProbe(Callback):
@@ -106,11 +137,24 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "default_handoff", "stages": ["fit", "test"], "default_handoff": True},
         {"name": "raise_in_fit", "stages": ["fit", "test", "fit"], "fail_at_step": 2, "continue_after_error": True},
         {"name": "two_steps", "stages": ["fit"], "max_steps": 2},
-        {"name": "publish_fails", "stages": ["fit", "fit", "test"], "file_size_limit_at": 1, "continue_after_error": True},
+        {"name": "publish_fails", "stages": ["fit", "fit", "test"], "file_size_limit_at": 1, "continue_after_error": True,
+         "wait_for_write": True},
         # a later "job" (new strategy, fresh module) continues from the handoff the demo case left behind
         {"name": "resumed", "stages": ["test", "fit"], "trainer": "per_call",
          "resume_from": "{root}/" + _slug(f"{strategy}:demo") + "/handoff"},
     ]
+    if strategy == "stagesafe":  # background writes: stock has none
+        cases += [
+            # a failed background write: the call returns, the next stage logs the failure and writes again
+            {"name": "background_write_fails", "stages": ["fit", "fit", "test"], "file_size_limit_at": 1,
+             "background_failure": True},
+            # every rank writes a share of the shards: rank 1 cannot, so nothing is committed; the next stage
+            # writes the handoff again
+            {"name": "share_fails_on_rank_1", "stages": ["fit", "fit", "test"], "file_size_limit_at": 1,
+             "limit_rank": 1, "background_failure": True, "max_shard_size": "2KB"},
+            # a background write held in flight while the module changes in place and both ranks read
+            {"name": "gated_write", "stages": ["fit"], "gated_write": True},
+        ]
     for case in cases:
         case.update(strategy=strategy, precision=precision, name=f"{strategy}:{case['name']}")
     return cases + [
@@ -130,12 +174,46 @@ def make_strategy(case: dict, root: str, index: int) -> pl.strategies.Strategy:
             kwargs["resume_from"] = case["resume_from"]
         if case.get("restore"):
             kwargs["restore"] = case["restore"]
+        if case.get("wait_for_write"):
+            kwargs["wait_for_write"] = True
+        if case.get("max_shard_size"):
+            kwargs["max_shard_size"] = case["max_shard_size"]
         if case.get("default_handoff"):
             return StageSafeDeepSpeedStrategy(**kwargs)
-        return StageSafeDeepSpeedStrategy(handoff_uri=f"{root}/{_slug(case['name'])}/handoff", **kwargs)
+        return StageSafeDeepSpeedStrategy(handoff_uri=handoff_uri_of(case, root), **kwargs)
     if strategy == "lightning":
         return pl.strategies.DeepSpeedStrategy(**kwargs)
     return CPUCapableDeepSpeedStrategy(**kwargs)
+
+
+def handoff_uri_of(case: dict, root: str) -> str:
+    uri = f"{root}/{_slug(case['name'])}/handoff"
+    return f"gatedmem://{uri}" if case.get("gated_write") else uri
+
+
+def run_gated_fit(trainer: pl.Trainer, module: ToyModule, record: dict, uri: str) -> None:
+    """fit returns while its handoff write waits at the gate. The module is then changed in place, and both
+    ranks read the handoff while the write is still held (rank 0 opens the gate 0.5 s later)."""
+    trainer.callbacks.append(CloseGateWhenTrainingEnds())
+    trainer.fit(module, train_dataloaders=dataloader(), val_dataloaders=dataloader())
+    record["still_writing"] = not GatedMemoryFileSystem.gate.is_set()
+    record["digest_when_fit_returned"] = state_digest(module)
+    with torch.no_grad():
+        for param in module.parameters():
+            param.add_(1.0)
+    record["digest_after_change"] = state_digest(module)
+    if dist.get_rank() == 0:
+        threading.Timer(0.5, GatedMemoryFileSystem.gate.set).start()
+        record["read_while_writing_digest"] = state_digest_of(stagesafe.load_state_dict(uri))
+    else:  # waits for rank 0's outcome; then finds nothing, as memory:// is private to each process
+        start = time.monotonic()
+        try:
+            stagesafe.load_state_dict(uri)
+        except stagesafe.HandoffNotFoundError as exc:
+            record["read_error"] = type(exc).__name__
+        record["read_waited_seconds"] = time.monotonic() - start
+    trainer.strategy.wait_for_handoff()
+    GatedMemoryFileSystem.gate.set()
 
 
 def _slug(name: str) -> str:
@@ -200,7 +278,11 @@ def run_case(case: dict, spec: dict) -> dict:
         epochs = max_epochs[index] if isinstance(max_epochs, list) else max_epochs
         master_probe = MasterProbe(initial)
         record: dict = {"stage": stage, "error": None}
-        limited = index == case.get("file_size_limit_at") and dist.is_initialized() and dist.get_rank() == 0
+        limited = (
+            index == case.get("file_size_limit_at")
+            and dist.is_initialized()
+            and dist.get_rank() == case.get("limit_rank", 0)
+        )
         if limited:  # rank 0 cannot write files larger than 2 kB during this stage: its handoff write fails
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
             resource.setrlimit(resource.RLIMIT_FSIZE, (2048, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
@@ -210,10 +292,19 @@ def run_case(case: dict, spec: dict) -> dict:
                 trainer = make_trainer(case, spec, strategy, epochs, [master_probe])
             else:
                 trainer.callbacks.append(master_probe)
-            run_stage(trainer, module, stage, f"{spec['root']}/{_slug(case['name'])}")
+            if case.get("gated_write"):
+                run_gated_fit(trainer, module, record, handoff_uri_of(case, spec["root"]))
+            else:
+                run_stage(trainer, module, stage, f"{spec['root']}/{_slug(case['name'])}")
         except BaseException as exc:  # noqa: BLE001 - recorded for the test to assert on
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["traceback"] = traceback.format_exc()[-3000:]
+        if case.get("background_failure") and index == case.get("file_size_limit_at"):
+            try:  # waits for the background write, which fails: the last good handoff is still there
+                manifest = stagesafe.read_manifest(handoff_uri_of(case, spec["root"]))
+                record["manifest_stage_after_failed_write"] = manifest["metadata"]["stage"]
+            except stagesafe.DistributedStageError as exc:  # ranks other than 0: told through the job's store
+                record["read_error"] = str(exc)
         if limited:
             resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         record["master_max_abs_diff"] = master_probe.max_abs_diff
@@ -222,7 +313,14 @@ def run_case(case: dict, spec: dict) -> dict:
         report = getattr(strategy, "last_boundary", None)
         if report is not None:
             record["boundary"] = {"seconds": report.seconds, "wrote": report.wrote, "clean": report.clean, "uri": report.uri}
-        if case["strategy"] == "stagesafe" and os.path.exists(f"{spec['root']}/{_slug(case['name'])}/handoff/stagesafe.json"):
+        failing_write = case.get("background_failure") and index == case.get("file_size_limit_at")
+        if case["strategy"] == "stagesafe" and record["error"] is None and not failing_write:
+            strategy.wait_for_handoff()  # every rank: the write may still run in the background
+        if case.get("max_shard_size") and case["strategy"] == "stagesafe" and strategy is not None:
+            report = strategy.last_boundary  # the writer records its time once its share is written
+            record["wrote_a_share"] = report is not None and "handoff_write" in report.phases
+        readable = not failing_write or dist.get_rank() == 0  # other ranks have not joined that write
+        if case["strategy"] == "stagesafe" and readable and os.path.exists(f"{spec['root']}/{_slug(case['name'])}/handoff/stagesafe.json"):
             from stagesafe import load_state_dict
 
             handoff = load_state_dict(f"{spec['root']}/{_slug(case['name'])}/handoff")

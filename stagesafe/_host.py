@@ -1,0 +1,139 @@
+"""Host memory that a stage's trained weights land in, made ready while the stage runs.
+
+On an H200 host, copying a GPU tensor to fresh pageable memory runs at 1.4 GB/s per rank (page faults),
+to resident pageable memory at 10 GB/s, and to page-locked memory at 54 GB/s, the bus's speed
+(``benchmarks/profile_host_copy.py``). So the tensors a stage's end copies into are allocated, touched and
+page-locked in place (``cudaHostRegister``) by a background thread during the stage, and unlocked once the
+copies are done: the end of a stage then pays for the copy alone.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from typing import Iterable, Mapping
+
+import torch
+
+__all__ = ["HostBuffers"]
+
+log = logging.getLogger(__name__)
+
+_UNLOCKING: list[threading.Thread] = []  # unlocks still running; the next lock of the same memory waits for them
+_MIN_LOCK_BYTES = 32 << 20  # smaller allocations may share pages with others; locking them gains little
+_TOUCH_CHUNK = 64 << 20
+_REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
+
+
+class HostBuffers:
+    """Host tensors for a stage's end: ``existing`` ones (written in place) and ``fresh`` ones allocated here.
+
+    ``lock_on``: the CUDA device whose copies will fill them, or ``None`` (a CPU run: nothing to lock).
+    Everything happens in a thread; :meth:`ready` joins it. Call :meth:`unlock` before the tensors are freed.
+    """
+
+    def __init__(
+        self,
+        existing: Mapping[str, torch.Tensor],
+        fresh: Mapping[str, tuple[torch.Size, torch.dtype]],
+        *,
+        lock_on: torch.device | None,
+    ) -> None:
+        self.existing = dict(existing)
+        self._device = lock_on
+        self.fresh: dict[str, torch.Tensor] = {}
+        self._locked: dict[int, torch.Tensor] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(
+            target=self._prepare, args=(dict(fresh), lock_on), name="stagesafe-host-buffers", daemon=True
+        )
+        self._thread.start()
+
+    def ready(self) -> "HostBuffers":
+        self._thread.join()
+        return self
+
+    def unlock(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
+        """Unlock ``tensors`` (default: all that this object locked); they may be freed afterwards."""
+        with self._lock:
+            ptrs = list(self._locked) if tensors is None else [t.data_ptr() for t in tensors]
+            if self._device is not None and any(ptr in self._locked for ptr in ptrs):
+                torch.cuda.set_device(self._device)  # perhaps in the writer's thread: use this rank's GPU
+            for ptr in ptrs:
+                if self._locked.pop(ptr, None) is not None:
+                    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+    def unlock_in_background(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Unlock ``tensors`` in a thread, which holds them until they are unlocked (unlocking 5 GB takes
+        about 0.2 s that the end of a stage need not wait for); the memory is usable meanwhile."""
+        held = list(tensors)
+        thread = threading.Thread(target=self.unlock, args=(held,), name="stagesafe-host-unlock", daemon=False)
+        thread.start()
+        _UNLOCKING[:] = [t for t in _UNLOCKING if t.is_alive()] + [thread]
+
+    def _prepare(self, fresh: dict[str, tuple[torch.Size, torch.dtype]], lock_on: torch.device | None) -> None:
+        for thread in list(_UNLOCKING):
+            thread.join()  # memory still being unlocked from the last stage cannot be locked again yet
+        try:
+            if lock_on is not None:
+                torch.cuda.set_device(lock_on)  # before any CUDA call: no context on another rank's GPU
+            allocated = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in fresh.items()}
+            _touch(list(allocated.values()))
+            self.fresh = allocated
+            if lock_on is not None:
+                failed: dict[str, int] = {}
+                cudart = torch.cuda.cudart()
+                for tensor in _lockable([*self.existing.values(), *allocated.values()]):
+                    with self._lock:
+                        error = cudart.cudaHostRegister(tensor.data_ptr(), _nbytes(tensor), _REGISTER_FLAGS)
+                        if int(error) != 0:  # a cudaError enum: truthy whatever its value
+                            reason = cudart.cudaGetErrorString(error)
+                            failed[reason] = failed.get(reason, 0) + 1
+                        else:
+                            self._locked[tensor.data_ptr()] = tensor
+                if failed:
+                    log.warning(
+                        "stagesafe: could not page-lock %d host tensor(s) (%s); their copies will be slower",
+                        sum(failed.values()),
+                        "; ".join(f"{n} x {reason}" for reason, n in failed.items()),
+                    )
+        except Exception as exc:  # noqa: BLE001 - only speed is at stake: copies fall back to plain memory
+            log.warning("stagesafe: preparing host memory for the end of the stage failed (%s); continuing", exc)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Large CPU tensors that own their whole allocation, once each; never memory that is already pinned."""
+    seen: set[int] = set()
+    chosen = []
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if (
+            tensor.device.type != "cpu"
+            or tensor.is_pinned()
+            or not tensor.is_contiguous()
+            or tensor.storage_offset() != 0
+            or storage.nbytes() != _nbytes(tensor)
+            or _nbytes(tensor) < _MIN_LOCK_BYTES
+            or tensor.data_ptr() in seen
+        ):
+            continue
+        seen.add(tensor.data_ptr())
+        chosen.append(tensor)
+    return chosen
+
+
+def _touch(tensors: list[torch.Tensor]) -> None:
+    """Fault the pages in from several threads: first touch, not the copy, is what makes fresh memory slow."""
+    pieces = []
+    for tensor in tensors:
+        flat = tensor.view(-1).view(torch.uint8) if tensor.numel() else None
+        if flat is None:
+            continue
+        pieces.extend(flat[i : i + _TOUCH_CHUNK] for i in range(0, flat.numel(), _TOUCH_CHUNK))
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda piece: piece.zero_(), pieces))
