@@ -333,8 +333,10 @@ class StageBoundary:
     ) -> BoundaryReport:
         """Consolidate, publish, destroy and restore; every rank must call this.
 
-        ``background``: publish in a thread so that destroy and restore overlap the upload; the caller must
-        then call :meth:`wait_published` (on every rank) before it reports the stage as done.
+        ``background``: the stage ended normally. The last write is joined with collectives, and this stage's
+        is written in a thread that may outlast the call (joined by the next boundary, :meth:`wait_published`
+        or the interpreter's exit). ``False`` after a failed stage, when collectives cannot be trusted: rank 0
+        joins the last write alone and this stage's handoff is written before returning.
         """
         start = time.perf_counter()
         mark = _PhaseClock(self.report.phases)
@@ -363,7 +365,7 @@ class StageBoundary:
                     self.report.wrote = True
                 except BaseException as exc:  # noqa: BLE001 - nothing may be lost: keep the weights in memory
                     failure, to_meta, published = exc, False, False
-                    values = _dist.all_ranks(lambda: self._consolidate(record), "consolidating the ZeRO shards")
+                    values = _dist.all_ranks(lambda: self._consolidate(record, None), "consolidating the ZeRO shards")
             elif engine is not None and trained:
                 values = _dist.all_ranks(lambda: self._consolidate(record, host), "consolidating the ZeRO shards")
             elif self._loaded is not None:

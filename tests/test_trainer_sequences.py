@@ -283,6 +283,15 @@ def test_every_rank_writes_a_share_of_the_shards_and_a_failed_share_commits_noth
     assert len(manifest["shards"]) > 2
 
 
+def test_a_failed_streamed_write_in_meta_mode_keeps_the_weights_on_the_module(stagesafe_run):
+    first, failed, test = _stages(stagesafe_run, "stagesafe:meta_write_fails")
+    assert failed["error"].startswith("StorageTransferError: could not write shard")
+    _assert_clean({**failed, "error": None})  # real fp32 tensors on the CPU, not meta ones: nothing lost
+    assert failed["probe"]["digest"] != first["handoff_digest"]  # the new weights, which the handoff lacks
+    assert failed["handoff_digest"] == first["handoff_digest"]  # the previous handoff is intact
+    assert test["error"] is None and test["handoff_digest"] == failed["probe"]["digest"]  # written by the next stage
+
+
 def test_a_background_write_is_a_private_copy_that_readers_wait_for(stagesafe_run):
     (rank0,) = _stages(stagesafe_run, "stagesafe:gated_write")
     (rank1,) = _stages(stagesafe_run, "stagesafe:gated_write", rank=1)

@@ -152,6 +152,10 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
             # writes the handoff again
             {"name": "share_fails_on_rank_1", "stages": ["fit", "fit", "test"], "file_size_limit_at": 1,
              "limit_rank": 1, "background_failure": True, "max_shard_size": "2KB"},
+            # meta mode's streamed write fails: the weights are gathered into the module instead, the error is
+            # raised, and the next stage writes the handoff
+            {"name": "meta_write_fails", "stages": ["fit", "fit", "test"], "restore": "meta", "file_size_limit_at": 1,
+             "continue_after_error": True},
             # a background write held in flight while the module changes in place and both ranks read
             {"name": "gated_write", "stages": ["fit"], "gated_write": True},
         ]
