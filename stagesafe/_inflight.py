@@ -62,26 +62,41 @@ def wait_for_keys(store: Any, keys: list[str], *, timeout: float = _KEY_TIMEOUT)
 def start(url: str, key: str, write: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
     """Rank 0: run ``write`` (which commits the handoff) in a (non-daemon) thread, then post its outcome under
     ``key`` for the other ranks."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
     store = job_store()
 
-    def run() -> None:
-        outcome = ""
+    def post(error: BaseException | None) -> None:
+        if store is None:
+            return
         try:
-            future.set_result(write())
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever joins, never swallowed
-            outcome = f"{type(exc).__name__}: {exc}" or "failed"
-            future.set_exception(exc)
-        if store is not None:
-            try:
-                store.set(key, "failed: " + outcome if outcome else "ok")
-            except Exception as exc:  # noqa: BLE001 - the store is gone (job ending): nobody is waiting
-                log.debug("stagesafe: could not post the outcome of %s: %s", key, exc)
+            store.set(key, f"failed: {type(error).__name__}: {error}" if error is not None else "ok")
+        except Exception as exc:  # noqa: BLE001 - the store is gone (job ending): nobody is waiting
+            log.debug("stagesafe: could not post the outcome of %s: %s", key, exc)
 
+    future = _in_thread(f"stagesafe-write {url}", write, then=post)
     with _lock:
         _RUNNING[url] = future
     future.add_done_callback(lambda f: _done(url, f))
-    threading.Thread(target=run, name=f"stagesafe-write {url}", daemon=False).start()
+    return future
+
+
+def _in_thread(
+    name: str, write: Callable[[], Any], *, then: Callable[[BaseException | None], None] | None = None
+) -> "concurrent.futures.Future[Any]":
+    """Run ``write`` in a non-daemon thread (the interpreter waits for it); its result or error goes to the
+    returned future, never swallowed, and ``then(error)`` runs after it."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def run() -> None:
+        error = None
+        try:
+            future.set_result(write())
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever joins the future
+            error = exc
+            future.set_exception(exc)
+        if then is not None:
+            then(error)
+
+    threading.Thread(target=run, name=name, daemon=False).start()
     return future
 
 
@@ -96,17 +111,8 @@ def _done(url: str, future: "concurrent.futures.Future[Any]") -> None:
 def start_share(url: str, key: str, write: Callable[[], Any]) -> "concurrent.futures.Future[Any]":
     """Another rank: run ``write`` (this rank's share of the shards) in a (non-daemon) thread; readers here wait
     for rank 0's commit, posted under ``key``."""
-    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(write())
-        except BaseException as exc:  # noqa: BLE001 - rank 0 reports it with the commit's outcome
-            future.set_exception(exc)
-
     mark_elsewhere(url, key)
-    threading.Thread(target=run, name=f"stagesafe-write-share {url}", daemon=False).start()
-    return future
+    return _in_thread(f"stagesafe-write-share {url}", write)  # a failure reaches rank 0 through the store
 
 
 def mark_elsewhere(url: str, key: str) -> None:

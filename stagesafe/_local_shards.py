@@ -19,10 +19,10 @@ import torch
 
 from stagesafe._planning import SAFETENSORS_DTYPES
 
-__all__ = ["read_hashed", "map_file", "remember", "known", "tensors_in"]
+__all__ = ["CHUNK", "MAX_HEADER", "read_hashed", "map_file", "remember", "known", "tensors_in"]
 
-_CHUNK = 16 * 1024 * 1024
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+CHUNK = 16 * 1024 * 1024  # read and hash in pieces of this size
+MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 
 _lock = threading.Lock()
 _KNOWN: dict[str, tuple[tuple[int, int, int, int, int], str]] = {}  # path -> (identity, sha256 of its bytes)
@@ -64,15 +64,12 @@ def read_hashed(path: str) -> tuple[torch.Tensor, str]:
     done = 0
     with open(path, "rb", buffering=0) as f:
         while done < size:
-            n = f.readinto(view[done : done + _CHUNK])
+            n = f.readinto(view[done : done + CHUNK])
             if not n:
                 break
             digest.update(view[done : done + n])
             done += n
-        grew = bool(f.read(1))
-    if grew:  # changed while being read: the size check then refuses it
-        return torch.empty(size + 1, dtype=torch.uint8), digest.hexdigest()
-    return buffer[:done], digest.hexdigest()
+    return buffer[:done], digest.hexdigest()  # exactly the bytes hashed, whatever happens to the file meanwhile
 
 
 def map_file(path: str) -> torch.Tensor:
@@ -88,7 +85,7 @@ def tensors_in(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
     if len(buffer) < 8:
         raise ValueError("shorter than a safetensors header")
     length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-    if not 0 < length <= min(_MAX_HEADER, len(buffer) - 8):
+    if not 0 < length <= min(MAX_HEADER, len(buffer) - 8):
         raise ValueError(f"bad header length {length}")
     header = json.loads(buffer[8 : 8 + length].numpy().tobytes())
     base = 8 + length

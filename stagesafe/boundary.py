@@ -229,6 +229,7 @@ class StageBoundary:
         )
         self._host: HostBuffers | None = None
         self._copied: dict[str, torch.Tensor] = {}
+        self._written_here: set[str] | None = None
         self._materialize = materialize
         self._meta_values: dict[str, torch.Tensor] | None = None
         self._footprint: _zero.ModuleFootprint | None = None
@@ -566,15 +567,18 @@ class StageBoundary:
         return HostBuffers(into, private, lock_on=lock_on)
 
     def _names_this_rank_writes(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
-        """The names whose shards this rank will write in the background (the plan's grouping does not depend
-        on the file names, which are only agreed on at the stage's end)."""
-        if not self.background:
-            return set()
-        if not self._every_rank:
-            return set(tensors) if _dist.rank() == 0 else set()
-        return names_written_by(
-            tensors, max_shard_size=self.target.max_shard_size, rank=_dist.rank(), world=_dist.world_size()
-        )
+        """The names whose shards this rank will write in the background, planned once per boundary (which
+        shard a tensor lands in depends on names and sizes only, the same at the stage's start and end)."""
+        if self._written_here is None:
+            if not self.background:
+                self._written_here = set()
+            elif not self._every_rank:
+                self._written_here = set(tensors) if _dist.rank() == 0 else set()
+            else:
+                self._written_here = names_written_by(
+                    tensors, max_shard_size=self.target.max_shard_size, rank=_dist.rank(), world=_dist.world_size()
+                )
+        return self._written_here
 
     def _private_copies(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a background writer reads: the private copies made while consolidating, clones of the rest."""
@@ -600,33 +604,24 @@ class StageBoundary:
         write may outlast the Trainer call, so it reads copies the user cannot change (only of the shards this
         rank writes). ``host`` is unlocked once the write is done."""
         target, rank, world = self.target, _dist.rank(), _dist.world_size()
-        if self._every_rank:
-            if private:
-                mine = self._names_this_rank_writes(values)
-                values = {**values, **self._private_copies({n: values[n] for n in mine})}
-            handoff_metadata = self._handoff_metadata(metadata)
+        if private:
+            mine = self._names_this_rank_writes(values)
+            values = {**values, **self._private_copies({n: values[n] for n in mine})}
+        handoff_metadata = self._handoff_metadata(metadata)
 
-            def write(key: str) -> dict | None:
-                start = time.perf_counter()
-                try:
-                    return write_share(
-                        values, target.uri, target.storage_options, max_shard_size=target.max_shard_size,
-                        rank=rank, world=world, key=key, store=_inflight.job_store(), metadata=handoff_metadata,
-                    )
-                finally:
-                    self.report.phases[phase] = time.perf_counter() - start
-                    if host is not None:
-                        host.unlock()
-        else:
-            if private and rank == 0:
-                values = self._private_copies(values)
-
-            def write(key: str) -> dict | None:
-                try:
-                    return self._publish(values, metadata, phase=phase)
-                finally:
-                    if host is not None:
-                        host.unlock()
+        def write(key: str) -> dict | None:
+            start = time.perf_counter()
+            try:
+                if not self._every_rank:
+                    return self._write(values, metadata)
+                return write_share(
+                    values, target.uri, target.storage_options, max_shard_size=target.max_shard_size,
+                    rank=rank, world=world, key=key, store=_inflight.job_store(), metadata=handoff_metadata,
+                )
+            finally:
+                self.report.phases[phase] = time.perf_counter() - start  # perhaps after the call returned
+                if host is not None:
+                    host.unlock()
 
         _start_in_background(record, target, write, every_rank=self._every_rank)
 

@@ -83,9 +83,9 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
-_CHUNK = 16 * 1024 * 1024  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
+_CHUNK = _local_shards.CHUNK  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
 _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a few times, under a busy trainer
-_MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
+_MAX_HEADER = _local_shards.MAX_HEADER
 _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
 _REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
 _UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"
