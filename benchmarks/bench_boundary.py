@@ -15,12 +15,14 @@ A fit of one step, then a test, on one module (bf16-mixed, ZeRO-3). Measured sid
 - ``safetensors.torch.save_file`` of the fp32 state dict the module ends with, to the same disk;
 - the floor: fp32 model bytes divided by the device-to-host bandwidth measured here (on the CPU: memcpy);
 - the disk's write bandwidth: write + fsync of the same number of bytes, by one writer and by 4 in
-  parallel, the better of the two.
+  parallel, each with and without early write-back, the best of the four;
+- a timeline of Lightning's teardown steps after the end of each stage.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 import tempfile
@@ -90,6 +92,66 @@ class AcceleratePath(Callback):
         self.stage_ended = time.perf_counter()
 
 
+class Timeline:
+    """Where the time goes from the end of a stage to the return of the call: Lightning's teardown steps,
+    timed by wrapping them on this trainer's own objects."""
+
+    def __init__(self, trainer: pl.Trainer, profile: bool = False) -> None:
+        import lightning.pytorch.trainer.call as call
+
+        self.spans: list[tuple[str, float, float]] = []
+        self._gc_started = 0.0
+        gc.callbacks.append(self._gc)  # garbage collections of generation 2 appear as spans too
+        self.profiles: list[str] = []  # with ``profile``: cProfile of the fit loop's teardown, the top entries
+        if profile:
+            self._profile(trainer.fit_loop, "teardown")
+        self._wrap(trainer.strategy, "teardown", "strategy teardown (the boundary, then Lightning's)")
+        self._wrap(trainer.strategy.accelerator, "teardown", "accelerator teardown (empty_cache)")
+        self._wrap(trainer, "_teardown", "trainer teardown")
+        self._wrap(trainer.fit_loop, "teardown", "fit loop teardown")
+        self._wrap(trainer.test_loop, "teardown", "test loop teardown")
+        self._wrap(trainer._logger_connector, "teardown", "logger connector teardown (metrics to the CPU)")
+        self._wrap(call, "_call_teardown_hook", "teardown hooks")
+
+    def _gc(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.spans.append(("full garbage collection", self._gc_started, time.perf_counter()))
+
+    def _profile(self, owner, attr: str) -> None:
+        import cProfile
+        import io
+        import pstats
+
+        inner = getattr(owner, attr)
+
+        def profiled(*args, **kwargs):
+            profiler = cProfile.Profile()
+            try:
+                return profiler.runcall(inner, *args, **kwargs)
+            finally:
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(14)
+                self.profiles.append(out.getvalue())
+
+        setattr(owner, attr, profiled)
+
+    def _wrap(self, owner, attr: str, label: str) -> None:
+        inner = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self.spans.append((label, start, time.perf_counter()))
+
+        setattr(owner, attr, timed)
+
+
 def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]:
     """Seconds to copy ``nbytes`` to host memory (pinned, on GPUs), and the bandwidth in GB/s."""
     if accelerator == "gpu":
@@ -110,10 +172,13 @@ def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]
     return seconds, nbytes / seconds / 1e9
 
 
-def disk_write_seconds(nbytes: int, folder: str, writers: int = 1) -> float:
+def disk_write_seconds(nbytes: int, folder: str, writers: int = 1, early_writeback: bool = False) -> float:
     """Write + fsync ``nbytes`` in 64 MB blocks, split over ``writers`` files written by as many threads: what
-    the disk sustains for a durable write."""
+    the disk sustains for a durable write. ``early_writeback``: ask for each block's write-back as soon as it
+    is written, as the store does (so the store gets no edge the probe lacks)."""
     from concurrent.futures import ThreadPoolExecutor
+
+    from stagesafe._writeback import start_writeback
 
     block = memoryview(os.urandom(64 * 2**20))
     share = -(-nbytes // writers)
@@ -124,6 +189,9 @@ def disk_write_seconds(nbytes: int, folder: str, writers: int = 1) -> float:
         with open(path, "wb") as f:
             for offset in range(0, size, len(block)):
                 f.write(block[: min(len(block), size - offset)])
+                if early_writeback:
+                    f.flush()
+                    start_writeback(f.fileno(), offset, min(len(block), size - offset))
             f.flush()
             os.fsync(f.fileno())
 
@@ -143,6 +211,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="bf16-mixed")
+    parser.add_argument("--profile-teardown", action="store_true", help="cProfile of the fit loop's teardown")
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-boundary"))
     args = parser.parse_args()
     os.makedirs(args.root, exist_ok=True)
@@ -158,12 +227,16 @@ def main() -> None:
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.root, callbacks=[accelerate],
     )
-    rows = []
+    timeline = Timeline(trainer, profile=args.profile_teardown)
+    rows, timelines = [], []
     for stage in ("fit", "test"):
+        timeline.spans.clear()
         getattr(trainer, stage)(model, data)
         returned = time.perf_counter()
         report = strategy.last_boundary
         rows.append((stage, report, returned - accelerate.stage_ended))
+        since = accelerate.stage_ended
+        timelines.append((stage, [(k, a - since, b - since) for k, a, b in timeline.spans], returned - since))
     strategy.wait_for_handoff()  # the fit's write was joined by the test; this joins nothing more
 
     module_equals_masters = all(
@@ -183,12 +256,26 @@ def main() -> None:
     baseline = time.perf_counter() - start
     os.remove(baseline_path)
     d2h, bandwidth = device_to_host_seconds(nbytes, args.accelerator)
-    disk = min(disk_write_seconds(nbytes, args.root, 1), disk_write_seconds(nbytes, args.root, 4))
+    probes = {
+        f"{writers} writer{'s' if writers > 1 else ''}{', early write-back' if early else ''}": disk_write_seconds(
+            nbytes, args.root, writers, early
+        )
+        for writers in (1, 4)
+        for early in (False, True)
+    }
+    disk = min(probes.values())
 
     print(f"\nmodel: {n_params / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB fp32; {args.devices} x {args.accelerator}, "
           f"{args.precision}; torch {torch.__version__}")
     print(f"floor (fp32 bytes / device-to-host {bandwidth:.1f} GB/s): {d2h:.3f} s; disk write+fsync: {disk:.3f} s "
           f"({nbytes / disk / 1e9:.2f} GB/s); save_file (page cache, no fsync): {baseline:.3f} s\n")
+    print("disk probes (write+fsync of the same bytes; the best is the reference): "
+          + ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in probes.items()))
+    for stage, spans, returned in timelines:
+        shown = ", ".join(f"{label} {a:.3f}-{b:.3f}" for label, a, b in sorted(spans, key=lambda s: s[1]) if b >= 0)
+        print(f"timeline of leaving {stage} (s after the end of the stage): {shown}; returned {returned:.3f}")
+    for text in timeline.profiles:
+        print(f"cProfile of the fit loop's teardown:\n{text}")
     print(f"bitwise: module after fit == the engine's fp32 masters at the end of training: {module_equals_masters}; "
           f"handoff == module: {handoff_equals_module}\n")
     print("| path | blocks the job (s) | / floor | until the weights are on disk (s) |")

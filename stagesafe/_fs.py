@@ -19,6 +19,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
 from stagesafe._planning import temp_name
+from stagesafe._writeback import EVERY, start_writeback
 from stagesafe.errors import InvalidArgumentError, StorageBackendError
 
 __all__ = [
@@ -118,9 +119,9 @@ def list_files(fs: fsspec.AbstractFileSystem, root: str, *, kind: str = "file") 
 def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterable[bytes | memoryview]) -> None:
     """Publish ``data`` (bytes, or chunks streamed one at a time) at ``path``; no reader sees a partial file.
 
-    Locally: write a temporary sibling, fsync, ``os.replace``. Object stores and ``memory://`` publish an object
-    when its upload completes (s3fs: one PUT, or a multipart upload above its block size that is aborted, not
-    completed, when writing fails), and have no cheap rename.
+    Locally: write a temporary sibling (its write-back started as it grows), fsync, ``os.replace``. Object
+    stores and ``memory://`` publish an object when its upload completes (s3fs: one PUT, or a multipart upload
+    above its block size that is aborted, not completed, when writing fails), and have no cheap rename.
     """
     chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if not is_local(fs):
@@ -145,8 +146,13 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     try:
         with open(tmp, "wb") as f:
+            written = started = 0
             for chunk in chunks:
-                f.write(chunk)
+                written += f.write(chunk)
+                if written - started >= EVERY:  # the disk starts on this part while the next is written
+                    f.flush()
+                    start_writeback(f.fileno(), started, written - started)
+                    started = written
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

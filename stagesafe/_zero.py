@@ -196,12 +196,14 @@ class GatheredValues(Mapping):
         also_into: Mapping[str, torch.Tensor] | None = None,
     ) -> None:
         """``into``: fp32 host tensors that a master is copied into (and returned) instead of fresh memory;
-        ``also_into``: a second copy of it (a private one for a background writer)."""
+        ``also_into``: host tensors for a second copy (a background writer's private one), filled later by
+        :meth:`fill_copies`, off the caller's path; the gathered masters are kept until then."""
         self._params, self._buffers = _named_tensors(module)
         self._to_dtype = to_dtype
         self._into, self._also_into = dict(into or {}), dict(also_into or {})
         self._devices: set[torch.device] = set()
-        self.copied: dict[str, torch.Tensor] = {}  # the ``also_into`` tensors filled so far
+        self.copied: dict[str, torch.Tensor] = {}  # the ``also_into`` tensors, once fill_copies() has run
+        self._kept: dict[str, torch.Tensor] = {}  # gathered masters waiting to be copied into ``also_into``
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._buffers:
@@ -217,18 +219,35 @@ class GatheredValues(Mapping):
                 dest.view(-1).copy_(master.view(-1), non_blocking=True)
                 copy = self._also_into.get(name)
                 if copy is not None and _fits(copy, master):
-                    copy.view(-1).copy_(master.view(-1), non_blocking=True)
                     self.copied[name] = copy
+                    self._kept[name] = master  # a fresh gather buffer: nothing else writes to it
                 return dest
             return self._to_dtype(name, master.to("cpu").reshape(_full_shape(param)))
         with _gathered([param]):
             return self._to_dtype(name, param.data.detach().to("cpu", copy=True))
 
     def synchronize(self) -> None:
-        """Wait for the copies into ``into``/``also_into`` (asynchronous into page-locked memory)."""
+        """Wait for the copies into ``into`` (asynchronous into page-locked memory) and the gathers."""
         for device in self._devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+
+    def fill_copies(self) -> None:
+        """Copy the kept masters into their ``also_into`` tensors and let the masters go: in a background writer,
+        after :meth:`synchronize`. On a GPU the copies run on a stream of their own, so that they neither wait
+        for nor hold up the next stage's work on the default stream."""
+        kept, self._kept = self._kept, {}
+        streams = {
+            device: torch.cuda.Stream(device)
+            for device in {m.device for m in kept.values()}
+            if device.type == "cuda"
+        }
+        for name, master in kept.items():
+            stream = streams.get(master.device)
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                self.copied[name].view(-1).copy_(master.view(-1), non_blocking=stream is not None)
+        for stream in streams.values():
+            stream.synchronize()
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self._params, *self._buffers])

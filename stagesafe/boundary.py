@@ -20,7 +20,7 @@ from torch import nn
 
 from . import _dist, _inflight, _zero
 from ._fs import resolve, url_of
-from ._host import HostBuffers
+from ._host import HostBuffers, start_deferred_unlocks
 from ._parallel_write import names_written_by, shared_by_all_ranks, write_share
 from .errors import StaleDeepSpeedStateError
 from .restore import assign_values, load_for
@@ -229,6 +229,7 @@ class StageBoundary:
         )
         self._host: HostBuffers | None = None
         self._copied: dict[str, torch.Tensor] = {}
+        self._fill_copies: Callable[[], None] | None = None  # fills ``_copied``; run by the background writer
         self._written_here: set[str] | None = None
         self._materialize = materialize
         self._meta_values: dict[str, torch.Tensor] | None = None
@@ -378,8 +379,8 @@ class StageBoundary:
         except BaseException as exc:  # noqa: BLE001 - the module falls back to the last handoff, then we raise
             failure, values = failure or exc, None
         mark("consolidate")
-        if host is not None:
-            host.unlock_in_background(host.existing.values())  # the module's tensors: plain memory again
+        if host is not None:  # the module's tensors: plain memory again, once Lightning's teardown is over
+            (host.unlock_after_return if background else host.unlock_in_background)(host.existing.values())
             mark("unlock")
         if engine is not None:
             _zero.destroy_engine(engine)
@@ -409,6 +410,7 @@ class StageBoundary:
                     self.report.wrote = True
                 except BaseException as exc:  # noqa: BLE001 - the module keeps its weights; then we raise
                     failure, published = failure or exc, False
+        self._fill_copies = None  # not written in the background: let the kept masters go
         if host is not None:
             host.unlock()
         if to_meta:
@@ -446,6 +448,12 @@ class StageBoundary:
             record.target = self.target
         record.fingerprint = _fingerprint(_state_tensors(self.module))
         self.report.stale_problems = _zero.find_stale_state(self.module)
+
+    @staticmethod
+    def call_returned() -> None:
+        """The Trainer call is returning, Lightning's teardown is over: unlock the module's page-locked memory
+        now, which would have stalled the teardown's CUDA calls."""
+        start_deferred_unlocks()
 
     @staticmethod
     def wait_for_module(module: nn.Module) -> None:
@@ -543,7 +551,7 @@ class StageBoundary:
         for name in specs:  # the same order on every rank: each lookup is a collective
             values[name] = values[aliases[name]] if name in aliases else gathered[name]  # tied: one tensor
         gathered.synchronize()
-        self._copied = gathered.copied
+        self._copied, self._fill_copies = gathered.copied, gathered.fill_copies
         return {n: values[n] for n in record.original if n in values}
 
     def _prepare_host(self, tensors: Mapping[str, torch.Tensor], record: _ModuleRecord) -> HostBuffers | None:
@@ -581,7 +589,8 @@ class StageBoundary:
         return self._written_here
 
     def _private_copies(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What a background writer reads: the private copies made while consolidating, clones of the rest."""
+        """What a background writer reads: the private copies (filled by the writer, from the gathered masters,
+        before it writes), clones of the rest."""
         copied, by_id = self._copied, {}
         private = {}
         for name, value in values.items():
@@ -604,6 +613,7 @@ class StageBoundary:
         write may outlast the Trainer call, so it reads copies the user cannot change (only of the shards this
         rank writes). ``host`` is unlocked once the write is done."""
         target, rank, world = self.target, _dist.rank(), _dist.world_size()
+        fill, self._fill_copies = self._fill_copies, None
         if private:
             mine = self._names_this_rank_writes(values)
             values = {**values, **self._private_copies({n: values[n] for n in mine})}
@@ -612,6 +622,8 @@ class StageBoundary:
         def write(key: str) -> dict | None:
             start = time.perf_counter()
             try:
+                if private and fill is not None:
+                    fill()  # the private copies, made here rather than while the job waited
                 if not self._every_rank:
                     return self._write(values, metadata)
                 return write_share(

@@ -8,10 +8,13 @@ stderr saying what was wrong and what to do (``--traceback`` shows where an unex
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
+import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = ["main"]
 
@@ -292,5 +295,16 @@ def _size(n: int) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def run() -> NoReturn:
+    """The console entry point: :func:`main`, then exit without the interpreter's teardown, which takes 0.2-0.4 s
+    once torch is loaded and has nothing left to do (every file is written, fsynced and closed by then)."""
+    code = main()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed pipe: the exit code still tells
+            stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -216,11 +216,15 @@ class _LazyStateDict(Mapping):
         self._ckpt, self._out = ckpt, out
         self.on_read: Callable[[int], Any] | None = None  # told the bytes of each tensor read (a progress bar)
 
-    def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = _cast(self._ckpt.read(name), self._out)
+    def __getitem__(self, name: str) -> torch.Tensor | store.Pieces:
+        spec = self._ckpt.tensors[name]
+        out = _out_dtype(spec.dtype, self._out)
+        parts = self._ckpt.pieces(name) if out == spec.dtype else None
         if self.on_read is not None:
-            self.on_read(tensor.numel() * tensor.element_size())
-        return tensor
+            self.on_read(spec.numel * out.itemsize)
+        if parts is not None:  # written straight from the mapped rank files, no copy
+            return store.Pieces(spec.dtype, spec.shape, parts, done=self._ckpt.release)
+        return _cast(self._ckpt.read(name), self._out)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._ckpt.tensors)

@@ -67,6 +67,7 @@ from stagesafe.errors import (
 __all__ = [
     "HandoffPlan",
     "HandoffReader",
+    "Pieces",
     "save_streamed",
     "RetryPolicy",
     "ShardRecord",
@@ -98,6 +99,19 @@ class ShardRecord:
 
     sha256: str
     size: int
+
+
+@dataclass(frozen=True)
+class Pieces:
+    """A tensor given as the consecutive pieces of its flattened values (views of mapped files, say), so that
+    :func:`write_shard` writes them as they are instead of joining them into a new tensor first.
+
+    ``done(piece)`` is called once a piece's bytes are in the file (a reader can give its pages back)."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    parts: tuple[torch.Tensor, ...]
+    done: Callable[[torch.Tensor], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -175,7 +189,8 @@ def write_shard(
     Tensors are moved to the CPU and made contiguous; tensors whose bytes overlap (views of one another) are
     written as independent copies, which safetensors requires. With ``specs`` (name -> ``{"dtype", "shape"}``,
     as in ``HandoffPlan.tensors``) ``tensors`` may be a lazy mapping: each tensor is read only when its bytes
-    are due and dropped after, so memory holds one tensor. The write (one PUT or multipart upload on an object
+    are due and dropped after, so memory holds one tensor; a value may be :class:`Pieces`, written piece by
+    piece without joining them. The write (one PUT or multipart upload on an object
     store) is tried again on transient errors as ``retry`` says.
     """
     return _write_shard(fs, root, file_name, tensors, specs=specs, retry=_check_retry(retry), stop=None)
@@ -709,21 +724,29 @@ def _safetensors_header(specs: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, 
 
 
 def _safetensors_chunks(
-    header: bytes, specs: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor]
+    header: bytes, specs: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor | Pieces]
 ) -> Iterator[bytes | memoryview]:
     yield header
     for name, spec in specs.items():
-        tensor = tensors[name].detach().to("cpu").contiguous()
-        if _dtype_name(tensor.dtype) != spec["dtype"] or list(tensor.shape) != list(spec["shape"]):
+        value = tensors[name]
+        if isinstance(value, Pieces):
+            dtype, shape, parts, done = value.dtype, value.shape, value.parts, value.done
+        else:
+            parts, done = (value.detach().to("cpu").contiguous(),), None
+            dtype, shape = parts[0].dtype, parts[0].shape
+        if _dtype_name(dtype) != spec["dtype"] or list(shape) != list(spec["shape"]):
             raise InvalidArgumentError(
-                f"tensor {name!r} is {_dtype_name(tensor.dtype)}{list(tensor.shape)} but was planned as "
+                f"tensor {name!r} is {_dtype_name(dtype)}{list(shape)} but was planned as "
                 f"{spec['dtype']}{list(spec['shape'])}; the state dict changed while it was being written"
             )
-        if tensor.numel():
-            data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-            for start in range(0, len(data), _WRITE_CHUNK):  # hashing one piece overlaps writing another
-                yield data[start : start + _WRITE_CHUNK]
-        del tensor
+        for part in parts:
+            if part.numel():
+                data = memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy())
+                for start in range(0, len(data), _WRITE_CHUNK):  # hashing one piece overlaps writing another
+                    yield data[start : start + _WRITE_CHUNK]
+                if done is not None:
+                    done(part)
+        del value, parts
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -260,6 +260,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     def wait_for_handoff(self) -> None:
         """Return once the last stage's handoff is committed (raise its failure on every rank). A collective:
         call it on every rank, e.g. before another process reads the handoff."""
+        StageBoundary.call_returned()
         boundary, self._publishing = self._publishing, None
         if boundary is not None:
             boundary.wait_published()
@@ -287,6 +288,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
+        StageBoundary.call_returned()  # Lightning's teardown is over: its CUDA calls no longer wait for the driver
         if self.wait_for_write:
             self.wait_for_handoff()
             return

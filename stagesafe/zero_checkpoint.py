@@ -163,6 +163,22 @@ class ZeroCheckpoint:
             raise CheckpointFormatError(f"{self.tag_url!r}: read {pos} of {spec.numel} elements of {name!r}")
         return flat.view(spec.shape)
 
+    def pieces(self, name: str) -> tuple[torch.Tensor, ...] | None:
+        """The tensor ``name`` as views of the mapped files, its flat values in order, to be written without
+        joining them into a new tensor (hand each to :meth:`release` once used); ``None`` where a piece needs a
+        cast (a 16-bit buffer read as fp32) or the files are not mapped: use :meth:`read` then."""
+        spec = self.tensors[name]
+        pieces = self._sources[name].pieces
+        parts = tuple(tensor.view(-1).narrow(0, start, length) for tensor, start, length in pieces if length > 0)
+        if not self._mapped or any(part.dtype != spec.dtype for part in parts):
+            return None
+        return parts
+
+    def release(self, piece: torch.Tensor) -> None:
+        """Give back the pages of a piece from :meth:`pieces` that has been used."""
+        if self._mapped:
+            release_pages(piece)
+
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for the stored tensors (default: all, in order), one at a time."""
         for name in self.tensors if names is None else names:

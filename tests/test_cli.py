@@ -313,6 +313,22 @@ def test_verify_ok(handoff, capsys):
     assert run(capsys, "verify", str(handoff), "-q") == (0, "", "")
 
 
+def test_the_console_entry_flushes_its_output_and_keeps_the_exit_code(handoff, tmp_path):
+    """``stagesafe`` (``cli.run``) skips the interpreter's teardown: what it printed into a pipe still arrives,
+    and the exit code is main()'s."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    entry = [sys.executable, "-c", "import stagesafe.cli as c; c.run()"]
+    ok = subprocess.run([*entry, "verify", str(handoff)], capture_output=True, text=True, env=env, timeout=120)
+    assert (ok.returncode, ok.stderr) == (0, "") and ok.stdout.startswith("ok: "), ok
+    missing = subprocess.run(
+        [*entry, "verify", str(tmp_path / "nothing")], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert missing.returncode == 2 and missing.stdout == "", missing
+    assert_one_error_line(missing.stderr, "nothing")
+
+
 @pytest.mark.parametrize("damage", ["flip-byte", "truncate", "delete"])
 def test_verify_names_the_bad_shard(handoff, capsys, damage):
     victim = shard_files(handoff)[1]

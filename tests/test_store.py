@@ -25,6 +25,7 @@ from stagesafe.errors import (
     StorageBackendError,
 )
 from stagesafe.store import (
+    Pieces,
     commit,
     live_files,
     load_state_dict,
@@ -272,6 +273,30 @@ def test_shards_written_but_not_committed_do_not_change_the_committed_handoff(ur
     assert manifest == read_manifest(url)
     assert files(url) == set(plan.shards) | {INDEX, MANIFEST}
     assert_bitwise_equal(load_state_dict(url), sd2)
+
+
+def test_pieces_are_written_as_the_tensor_they_join_into(tmp_path):
+    """A value given as pieces (views of mapped files, in the CLI) is stored as the one tensor they join into,
+    each piece handed back once written."""
+    full = torch.randn(6, 5)
+    flat = full.view(-1)
+    parts = (flat[:7], flat[7:20], flat[20:])
+    used: list[torch.Tensor] = []
+    bias = torch.randn(5)
+    values = {"w": Pieces(torch.float32, (6, 5), parts, done=used.append), "b": bias}
+    specs = {"w": {"dtype": "float32", "shape": [6, 5]}, "b": {"dtype": "float32", "shape": [5]}}
+    fs, root = resolve(str(tmp_path))
+    plan = plan_handoff({"w": full, "b": bias})
+    (name,) = plan.shards
+    record = write_shard(fs, root, name, values, specs=specs)
+    loaded = safetensors.torch.load_file(str(tmp_path / name))
+    assert_bitwise_equal(loaded, {"w": full, "b": bias})
+    assert [id(p) for p in used] == [id(p) for p in parts]
+    assert record.sha256 == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+
+    wrong = {"w": Pieces(torch.float32, (5, 6), parts), "b": bias}
+    with pytest.raises(InvalidArgumentError, match=r"'w' is float32\[5, 6\] but was planned as float32\[6, 5\]"):
+        write_shard(fs, root, name, wrong, specs=specs)
 
 
 def test_a_reader_overtaken_by_a_new_commit_reads_the_new_handoff(url, monkeypatch):

@@ -76,6 +76,7 @@ def _assert_clean(stage: dict, user_hooks: int = 1) -> None:
     assert probe["dtypes"] == ["torch.float32"]
     assert probe["devices"] == ["cpu"]
     assert stage["boundary"]["clean"] is True
+    assert stage["boundary"]["unlocks_left_for_later"] == 0
 
 
 @pytest.mark.parametrize("first,second,mode", PAIRS, ids=[f"{a}>{b}:{m}" for a, b, m in PAIRS])

@@ -164,6 +164,26 @@ def test_read_returns_tensors_of_their_own(ckpts):
         tensor.add_(0)  # writable, and the files are closed
 
 
+@pytest.mark.parametrize("name", ALL)
+def test_pieces_are_views_of_the_files_that_join_into_read(ckpts, name):
+    """What the CLI writes without a copy: every fp32 master comes as views of the mapped rank files, and the
+    pieces of any tensor join into exactly what read() returns."""
+    with open_zero_checkpoint(ckpts[name]["path"]) as ckpt:
+        viewed = set()
+        for tensor_name, spec in ckpt.tensors.items():
+            parts = ckpt.pieces(tensor_name)
+            if parts is None:
+                continue
+            viewed.add(tensor_name)
+            assert all(part._is_view() and part.dtype == spec.dtype for part in parts)
+            joined = torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=spec.dtype)
+            assert torch.equal(joined.view(spec.shape), ckpt.read(tensor_name)), tensor_name
+            for part in parts:
+                ckpt.release(part)
+        trained = {n for n, spec in ckpt.tensors.items() if spec.kind == "param"}
+    assert trained and trained <= viewed
+
+
 def test_lightning_client_state(ckpts):
     values, client = load_zero_checkpoint_with_client_state(ckpts["lit"]["path"])
     assert set(values) >= {"embed.weight", "head.weight", "scale"}
