@@ -624,6 +624,7 @@ class StageBoundary:
             try:
                 if private and fill is not None:
                     fill()  # the private copies, made here rather than while the job waited
+                    self.report.phases[f"{phase}_private_copy"] = time.perf_counter() - start
                 if not self._every_rank:
                     return self._write(values, metadata)
                 return write_share(
@@ -633,7 +634,9 @@ class StageBoundary:
             finally:
                 self.report.phases[phase] = time.perf_counter() - start  # perhaps after the call returned
                 if host is not None:
+                    unlocking = time.perf_counter()
                     host.unlock()
+                    self.report.phases[f"{phase}_unlock"] = time.perf_counter() - unlocking
 
         _start_in_background(record, target, write, every_rank=self._every_rank)
 
