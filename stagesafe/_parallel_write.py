@@ -40,9 +40,7 @@ def shared_by_all_ranks(fs: fsspec.AbstractFileSystem, *, single_node: bool) -> 
 
 def owners(plan: HandoffPlan, world: int) -> dict[str, int]:
     """Which rank writes each shard: largest first, each to the rank with the fewest bytes so far."""
-    sizes = {
-        file: sum(_nbytes(plan.tensors[name]) for name in names) for file, names in plan.shards.items()
-    }
+    sizes = {file: plan.shard_nbytes(file) for file in plan.shards}
     load = [0] * world
     owner: dict[str, int] = {}
     for file in sorted(plan.shards, key=lambda f: -sizes[f]):  # sorted() is stable: ties keep the plan's order
@@ -50,13 +48,6 @@ def owners(plan: HandoffPlan, world: int) -> dict[str, int]:
         owner[file] = rank
         load[rank] += sizes[file]
     return {file: owner[file] for file in plan.shards}
-
-
-def _nbytes(spec: Mapping[str, Any]) -> int:
-    numel = 1
-    for dim in spec["shape"]:
-        numel *= int(dim)
-    return numel * getattr(torch, spec["dtype"]).itemsize
 
 
 def names_written_by(

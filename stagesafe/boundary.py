@@ -228,8 +228,7 @@ class StageBoundary:
             and shared_by_all_ranks(resolve(target.uri, target.storage_options)[0], single_node=single_node)
         )
         self._host: HostBuffers | None = None
-        self._copied: dict[str, torch.Tensor] = {}
-        self._fill_copies: Callable[[], None] | None = None  # fills ``_copied``; run by the background writer
+        self._gathered: _zero.GatheredValues | None = None  # holds the writer's private copies, filled by it
         self._written_here: set[str] | None = None
         self._materialize = materialize
         self._meta_values: dict[str, torch.Tensor] | None = None
@@ -410,7 +409,7 @@ class StageBoundary:
                     self.report.wrote = True
                 except BaseException as exc:  # noqa: BLE001 - the module keeps its weights; then we raise
                     failure, published = failure or exc, False
-        self._fill_copies = None  # not written in the background: let the kept masters go
+        self._gathered = None  # not written in the background: let the kept masters go
         if host is not None:
             host.unlock()
         if to_meta:
@@ -537,8 +536,8 @@ class StageBoundary:
     def _consolidate(self, record: _ModuleRecord, host: HostBuffers | None) -> dict[str, torch.Tensor]:
         """The trained weights: fp32 masters where the engine has them, exact entry values where unchanged.
 
-        With ``host``, masters are copied into the module's own (page-locked) tensors, and on rank 0 into a
-        private copy for the writer, instead of into fresh memory.
+        With ``host``, masters are copied into the module's own (page-locked) tensors instead of fresh memory;
+        those of the shards this rank writes stay gathered for the writer's private copy (``host.fresh``).
         """
         specs, aliases = _zero.full_specs(self.module)
         gathered = _zero.GatheredValues(
@@ -551,13 +550,13 @@ class StageBoundary:
         for name in specs:  # the same order on every rank: each lookup is a collective
             values[name] = values[aliases[name]] if name in aliases else gathered[name]  # tied: one tensor
         gathered.synchronize()
-        self._copied, self._fill_copies = gathered.copied, gathered.fill_copies
+        self._gathered = gathered
         return {n: values[n] for n in record.original if n in values}
 
     def _prepare_host(self, tensors: Mapping[str, torch.Tensor], record: _ModuleRecord) -> HostBuffers | None:
         """Host memory for a training stage's end, made ready while it runs: the module's own fp32 CPU tensors
-        (which this boundary keeps alive anyway) take the masters in place, and rank 0, which writes in the
-        background, gets a private copy that later changes to the module cannot reach."""
+        (which this boundary keeps alive anyway) take the masters in place, and each rank that writes in the
+        background gets private buffers for its shards, which later changes to the module cannot reach."""
         trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}  # tied: first name only
         into = {
             n: t
@@ -591,7 +590,7 @@ class StageBoundary:
     def _private_copies(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """What a background writer reads: the private copies (filled by the writer, from the gathered masters,
         before it writes), clones of the rest."""
-        copied, by_id = self._copied, {}
+        copied, by_id = self._gathered.copied if self._gathered is not None else {}, {}
         private = {}
         for name, value in values.items():
             if id(value) not in by_id:  # tied names share one tensor, and one copy
@@ -613,7 +612,7 @@ class StageBoundary:
         write may outlast the Trainer call, so it reads copies the user cannot change (only of the shards this
         rank writes). ``host`` is unlocked once the write is done."""
         target, rank, world = self.target, _dist.rank(), _dist.world_size()
-        fill, self._fill_copies = self._fill_copies, None
+        gathered, self._gathered = (self._gathered if private else None), None
         if private:
             mine = self._names_this_rank_writes(values)
             values = {**values, **self._private_copies({n: values[n] for n in mine})}
@@ -622,8 +621,8 @@ class StageBoundary:
         def write(key: str) -> dict | None:
             start = time.perf_counter()
             try:
-                if private and fill is not None:
-                    fill()  # the private copies, made here rather than while the job waited
+                if gathered is not None:
+                    gathered.fill_copies()  # the private copies, made here rather than while the job waited
                     self.report.phases[f"{phase}_private_copy"] = time.perf_counter() - start
                 if not self._every_rank:
                     return self._write(values, metadata)

@@ -125,6 +125,10 @@ class HandoffPlan:
     total_size: int  # bytes of tensor data stored
     state_dict: Mapping[str, torch.Tensor] = field(repr=False, compare=False)
 
+    def shard_nbytes(self, file_name: str) -> int:
+        """Bytes of tensor data stored in ``file_name`` (known from the plan, before anything is written)."""
+        return sum(_nbytes(self.tensors[name]) for name in self.shards[file_name])
+
     def shard_tensors(self, file_name: str) -> dict[str, torch.Tensor]:
         """The tensors :func:`write_shard` writes into ``file_name``."""
         return {name: self.state_dict[name] for name in self.shards[file_name]}

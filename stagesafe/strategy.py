@@ -50,9 +50,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             and a trained stage's weights are gathered and written one tensor at a time (ZeRO-3 only).
             ``stagesafe.restore(module, uri)`` materialises the module on demand.
         wait_for_write: ``False`` (default): a Trainer call returns as soon as the module holds its weights;
-            the handoff's durable write goes on in the background (from a private copy on rank 0) and is
-            joined by the next stage, by :meth:`wait_for_handoff`, or at interpreter exit. Readers of the
-            handoff in this process wait for it. ``True``: each call returns once its handoff is committed.
+            the handoff's durable write goes on in the background (each rank writes its share of the shards,
+            from private copies) and is joined by the next stage, by :meth:`wait_for_handoff`, or at
+            interpreter exit. Readers of the handoff in this process wait for it. ``True``: each call returns
+            once its handoff is committed.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -288,10 +289,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
-        StageBoundary.call_returned()  # Lightning's teardown is over: its CUDA calls no longer wait for the driver
         if self.wait_for_write:
             self.wait_for_handoff()
             return
+        StageBoundary.call_returned()  # Lightning's teardown is over: its CUDA calls no longer wait for the driver
         boundary = self._publishing
         if boundary is not None:
             self._log_boundary(boundary.report, waited=False)

@@ -148,17 +148,12 @@ class ZeroCheckpoint:
     def read(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` (a stored name, not an alias), newly allocated: no view of the mapped files."""
         spec = self.tensors[name]
-        source = self._sources[name]
         flat = torch.empty(spec.numel, dtype=spec.dtype)
         pos = 0
-        for tensor, start, length in source.pieces:
-            if length <= 0:
-                continue
-            piece = tensor.view(-1).narrow(0, start, length)
-            flat.narrow(0, pos, length).copy_(piece)  # casts a bf16/fp16 buffer to fp32 on the way
-            pos += length
-            if self._mapped:
-                release_pages(piece)
+        for piece in self._views(name):
+            flat.narrow(0, pos, piece.numel()).copy_(piece)  # casts a bf16/fp16 buffer to fp32 on the way
+            pos += piece.numel()
+            self.release(piece)
         if pos != spec.numel:  # pragma: no cover - _build checks every length up front
             raise CheckpointFormatError(f"{self.tag_url!r}: read {pos} of {spec.numel} elements of {name!r}")
         return flat.view(spec.shape)
@@ -168,11 +163,15 @@ class ZeroCheckpoint:
         joining them into a new tensor (hand each to :meth:`release` once used); ``None`` where a piece needs a
         cast (a 16-bit buffer read as fp32) or the files are not mapped: use :meth:`read` then."""
         spec = self.tensors[name]
-        pieces = self._sources[name].pieces
-        parts = tuple(tensor.view(-1).narrow(0, start, length) for tensor, start, length in pieces if length > 0)
+        parts = self._views(name)
         if not self._mapped or any(part.dtype != spec.dtype for part in parts):
             return None
         return parts
+
+    def _views(self, name: str) -> tuple[torch.Tensor, ...]:
+        """The non-empty pieces of ``name``'s flat values, in order, as views of their source tensors."""
+        pieces = self._sources[name].pieces
+        return tuple(tensor.view(-1).narrow(0, start, length) for tensor, start, length in pieces if length > 0)
 
     def release(self, piece: torch.Tensor) -> None:
         """Give back the pages of a piece from :meth:`pieces` that has been used."""
