@@ -27,7 +27,9 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
 
 import lightning.pytorch as pl
 import torch
@@ -60,10 +62,11 @@ class Wide(pl.LightningModule):
 class AcceleratePath(Callback):
     """At the end of training, with the engine alive: Accelerate's way of getting the weights out."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, sampler: "ThreadSampler | None" = None) -> None:
         self.path = path
-        self.gather = self.save = 0.0
+        self.gather = self.save = self.garbage = 0.0
         self.stage_ended = 0.0
+        self.sampler = sampler  # started at the end of each stage, stopped once the call has returned
 
     def on_train_end(self, trainer, pl_module) -> None:
         import deepspeed.utils
@@ -85,12 +88,72 @@ class AcceleratePath(Callback):
             self.save = time.perf_counter() - start
             os.remove(self.path)
         del state
-        dist.barrier()
-        self.stage_ended = time.perf_counter()
+        # DeepSpeed gathers through a recursive closure, a reference cycle that keeps the state dict (GBs of
+        # host memory on rank 0) alive until the next garbage collection: collected here, on the Accelerate
+        # path's account, so that freeing it does not land in the boundary's time
+        start = time.perf_counter()
+        gc.collect()
+        self.garbage = time.perf_counter() - start
+        self._stage_end()
 
     def on_test_end(self, trainer, pl_module) -> None:
+        self._stage_end()
+
+    def _stage_end(self) -> None:
         dist.barrier()
         self.stage_ended = time.perf_counter()
+        if self.sampler is not None:
+            self.sampler.start()
+
+
+class ThreadSampler:
+    """Every millisecond, the innermost Python frame of every thread: what the main thread waits for while a
+    stage is torn down. A thread holding the GIL in C code shows as a gap in the samples, and where it is at
+    the gap's end."""
+
+    def __init__(self, interval: float = 0.001) -> None:
+        self.samples: list[tuple[float, dict[str, str]]] = []
+        self._interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.samples.clear()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="bench-sampler", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while not self._stop.is_set():
+            now, frames = time.perf_counter(), sys._current_frames()
+            names = {t.ident: t.name for t in threading.enumerate()}
+            where = {
+                names.get(ident, str(ident)): f"{f.f_code.co_name} ({os.path.basename(f.f_code.co_filename)}"
+                f":{f.f_lineno})"
+                for ident, f in frames.items()
+                if ident != me
+            }
+            self.samples.append((now, where))
+            time.sleep(self._interval)
+
+    def summary(self, start: float, end: float, since: float) -> list[str]:
+        """Gaps of more than 4 ms between samples in [start, end], and where each thread was most often."""
+        window = [(t, frames) for t, frames in self.samples if start <= t <= end]
+        gaps = [(b[0] - a[0], a[0], b[1]) for a, b in zip(window, window[1:]) if b[0] - a[0] > 0.004]
+        lines = [f"  {len(window)} samples, {len(gaps)} gaps > 4 ms adding to {sum(g for g, _, _ in gaps):.3f} s"]
+        for length, at, frames in sorted(gaps, reverse=True)[:6]:
+            where = "; ".join(f"{name}: {frame}" for name, frame in sorted(frames.items()))
+            lines.append(f"  gap {length * 1e3:.1f} ms at {at - since:.3f} s, then: {where}")
+        counts = Counter((name, frame) for _, frames in window for name, frame in frames.items())
+        for (name, frame), n in counts.most_common(10):
+            lines.append(f"  {n:5d} x {name}: {frame}")
+        return lines
 
 
 class Timeline:
@@ -100,9 +163,10 @@ class Timeline:
     def __init__(self, trainer: pl.Trainer, profile: bool = False) -> None:
         import lightning.pytorch.trainer.call as call
 
-        self.spans: list[tuple[str, float, float]] = []
-        self._gc_started = 0.0
-        gc.callbacks.append(self._gc)  # garbage collections of generation 2 appear as spans too
+        self.spans: list[tuple[str, float, float, float]] = []  # label, start, end, CPU seconds of its thread
+        self.collections: list[tuple[int, float, float]] = []  # garbage collections: generation, start, end
+        self._gc_started = (0.0, 0.0)
+        gc.callbacks.append(self._gc)  # full garbage collections appear as spans too
         self.profiles: list[str] = []  # with ``profile``: cProfile of the fit loop's teardown, the top entries
         if profile:
             self._profile(trainer.fit_loop, "teardown")
@@ -115,12 +179,13 @@ class Timeline:
         self._wrap(call, "_call_teardown_hook", "teardown hooks")
 
     def _gc(self, phase: str, info: dict) -> None:
-        if info.get("generation") != 2:
-            return
         if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.spans.append(("full garbage collection", self._gc_started, time.perf_counter()))
+            self._gc_started = (time.perf_counter(), time.thread_time())
+            return
+        (start, cpu), generation = self._gc_started, info.get("generation")
+        self.collections.append((generation, start, time.perf_counter()))
+        if generation == 2:
+            self.spans.append(("full garbage collection", start, time.perf_counter(), time.thread_time() - cpu))
 
     def _profile(self, owner, attr: str) -> None:
         import cProfile
@@ -144,11 +209,11 @@ class Timeline:
         inner = getattr(owner, attr)
 
         def timed(*args, **kwargs):
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             try:
                 return inner(*args, **kwargs)
             finally:
-                self.spans.append((label, start, time.perf_counter()))
+                self.spans.append((label, start, time.perf_counter(), time.thread_time() - cpu))
 
         setattr(owner, attr, timed)
 
@@ -218,6 +283,9 @@ def main() -> None:
         help="wait_for_write=True: the handoff write runs while the call waits, with nothing else running",
     )
     parser.add_argument("--profile-teardown", action="store_true", help="cProfile of the fit loop's teardown")
+    parser.add_argument(
+        "--sample-threads", action="store_true", help="sample every thread's Python frame while leaving each stage"
+    )
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-boundary"))
     args = parser.parse_args()
     os.makedirs(args.root, exist_ok=True)
@@ -229,22 +297,32 @@ def main() -> None:
     strategy = StageSafeDeepSpeedStrategy(
         stage=3, handoff_uri=os.path.join(args.root, "handoff"), wait_for_write=args.write_alone
     )
-    accelerate = AcceleratePath(os.path.join(args.root, "accelerate.safetensors"))
+    sampler = ThreadSampler() if args.sample_threads else None
+    accelerate = AcceleratePath(os.path.join(args.root, "accelerate.safetensors"), sampler)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
         enable_model_summary=False, default_root_dir=args.root, callbacks=[accelerate],
     )
     timeline = Timeline(trainer, profile=args.profile_teardown)
-    rows, timelines = [], []
+    rows, timelines, sampled = [], [], []
     for stage in ("fit", "test"):
         timeline.spans.clear()
+        timeline.collections.clear()
         getattr(trainer, stage)(model, data)
         returned = time.perf_counter()
         report = strategy.last_boundary
         rows.append((stage, report, returned - accelerate.stage_ended))
         since = accelerate.stage_ended
-        timelines.append((stage, [(k, a - since, b - since) for k, a, b in timeline.spans], returned - since))
+        spans = [(k, a - since, b - since, cpu) for k, a, b, cpu in timeline.spans]
+        collected = [(g, b - a) for g, a, b in timeline.collections if since <= a <= returned]
+        timelines.append((stage, spans, returned - since, collected))
+        if sampler is not None:
+            sampler.stop()
+            loop = [(a, b) for k, a, b, _ in timeline.spans if k.endswith("loop teardown")]
+            for label, (a, b) in [("leaving", (since, returned)), *[("the loop's teardown", w) for w in loop]]:
+                sampled.append((f"threads while {label} {stage} ({a - since:.3f}-{b - since:.3f} s):",
+                                sampler.summary(a, b, since)))
     strategy.wait_for_handoff()  # the fit's write was joined by the test; this joins nothing more
 
     module_equals_masters = all(
@@ -284,9 +362,17 @@ def main() -> None:
           f"({nbytes / disk / 1e9:.2f} GB/s); save_file (page cache, no fsync): {baseline:.3f} s\n")
     print("disk probes (write+fsync of the same bytes; the best is the reference): "
           + ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in probes.items()))
-    for stage, spans, returned in timelines:
-        shown = ", ".join(f"{label} {a:.3f}-{b:.3f}" for label, a, b in sorted(spans, key=lambda s: s[1]) if b >= 0)
-        print(f"timeline of leaving {stage} (s after the end of the stage): {shown}; returned {returned:.3f}")
+    for stage, spans, returned, collected in timelines:
+        ordered = sorted(spans, key=lambda span: span[1])
+        shown = ", ".join(f"{label} {a:.3f}-{b:.3f} (cpu {cpu:.3f})" for label, a, b, cpu in ordered if b >= 0)
+        counts, seconds_by_generation = Counter(g for g, _ in collected), Counter()
+        for generation, seconds in collected:
+            seconds_by_generation[generation] += seconds
+        collections = ", ".join(f"gen {g}: {counts[g]} in {t:.3f} s" for g, t in sorted(seconds_by_generation.items()))
+        print(f"timeline of leaving {stage} (s after the end of the stage; cpu: of the thread that ran it): {shown}; "
+              f"returned {returned:.3f}; garbage collections: {collections or 'none'}")
+    for title, lines in sampled:
+        print(title, *lines, sep="\n")
     for text in timeline.profiles:
         print(f"cProfile of the fit loop's teardown:\n{text}")
     print(f"bitwise: module after fit == the engine's fp32 masters at the end of training: {module_equals_masters}; "
@@ -294,12 +380,15 @@ def main() -> None:
     print("| path | blocks the job (s) | / floor | until the weights are on disk (s) |")
     print("| --- | --- | --- | --- |")
     acc_total = accelerate.gather + accelerate.save
-    print(f"| Accelerate: 16-bit gather {accelerate.gather:.3f} + save_file {accelerate.save:.3f} | {acc_total:.3f} | "
+    print(f"| Accelerate: 16-bit gather {accelerate.gather:.3f} + save_file {accelerate.save:.3f} (then a garbage "
+          f"collection frees its state dict, {accelerate.garbage:.3f}, not counted) | {acc_total:.3f} | "
           f"{acc_total / d2h:.1f}x | {acc_total:.3f} (16-bit only, no fsync) |")
     for stage, report, blocked in rows:
         phases = {k: v for k, v in report.phases.items() if not k.startswith(("handoff_write", "first_handoff_write"))}
         write = report.phases.get("handoff_write")
         detail = ", ".join(f"{k} {v:.3f}" for k, v in phases.items())
+        if report.copied_while_waiting:
+            detail += f"; cloned for the writer while the call waited: {report.copied_while_waiting / 1e9:.2f} GB"
         if not write:
             durable = "(nothing to write)"
         elif args.write_alone:
@@ -324,7 +413,8 @@ def main() -> None:
           f"handoff write / save_file: {write / baseline:.2f}x")
     print(f"\nreproduce: python benchmarks/bench_boundary.py --layers {args.layers} --width {args.width} "
           f"--accelerator {args.accelerator} --devices {args.devices} --precision {args.precision}"
-          + (" --write-alone" if args.write_alone else "") + (" --profile-teardown" if args.profile_teardown else ""))
+          + (" --write-alone" if args.write_alone else "") + (" --profile-teardown" if args.profile_teardown else "")
+          + (" --sample-threads" if args.sample_threads else ""))
 
 
 if __name__ == "__main__":

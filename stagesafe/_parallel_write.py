@@ -69,11 +69,13 @@ def write_share(
     key: str,
     store: Any,
     metadata: Mapping[str, Any],
+    remove_stale_files: bool = True,
 ) -> dict[str, Any] | None:
     """This rank's shards of ``values``; on rank 0, then the commit. Returns the manifest on rank 0.
 
     ``key`` (the same on every rank) names this write in the store; no rank commits or plans the next write
     before every rank has posted, so all ranks see the same committed files and plan the same names.
+    ``remove_stale_files``: as in :func:`~stagesafe.store.commit`.
     """
     fs, root = resolve(uri, dict(storage_options or {}))
     metadata = check_metadata(metadata)
@@ -113,4 +115,4 @@ def write_share(
             f"could not write the shards of {url_of(fs, root)!r} on {'; '.join(failures)}; nothing was committed: "
             "the handoff there before, if any, is unchanged"
         )
-    return commit(fs, root, plan, records, metadata=metadata)
+    return commit(fs, root, plan, records, metadata=metadata, remove_stale_files=remove_stale_files)

@@ -24,7 +24,7 @@ from ._host import HostBuffers, start_deferred_unlocks
 from ._parallel_write import names_written_by, shared_by_all_ranks, write_share
 from .errors import StaleDeepSpeedStateError
 from .restore import assign_values, load_for
-from .store import HandoffReader, check_writable, load_state_dict, save_state_dict, save_streamed
+from .store import HandoffReader, check_writable, load_state_dict, remove_stale, save_state_dict, save_streamed
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
 
@@ -53,6 +53,7 @@ class BoundaryReport:
     wrote: bool = False
     handoff_bytes: int = 0
     stale_problems: list[str] = field(default_factory=list)
+    copied_while_waiting: int = 0  # bytes cloned for the background writer before the call could return
 
     @property
     def clean(self) -> bool:
@@ -587,14 +588,20 @@ class StageBoundary:
                 )
         return self._written_here
 
-    def _private_copies(self, values: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """What a background writer reads: the private copies (filled by the writer, from the gathered masters,
-        before it writes), clones of the rest."""
-        copied, by_id = self._gathered.copied if self._gathered is not None else {}, {}
+    def _private_copies(
+        self, values: Mapping[str, torch.Tensor], copied: Mapping[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """What a background writer reads: the ``copied`` tensors (private copies the writer fills from the
+        gathered masters before it writes), clones of the rest, made now, while the job waits."""
+        by_id: dict[int, torch.Tensor] = {}
         private = {}
         for name, value in values.items():
             if id(value) not in by_id:  # tied names share one tensor, and one copy
-                by_id[id(value)] = copied[name] if name in copied else value.clone()
+                if name in copied:
+                    by_id[id(value)] = copied[name]
+                else:
+                    by_id[id(value)] = value.clone()
+                    self.report.copied_while_waiting += value.numel() * value.element_size()
             private[name] = by_id[id(value)]
         return private
 
@@ -615,23 +622,32 @@ class StageBoundary:
         gathered, self._gathered = (self._gathered if private else None), None
         if private:
             mine = self._names_this_rank_writes(values)
-            values = {**values, **self._private_copies({n: values[n] for n in mine})}
+            copied = gathered.copied if gathered is not None else {}
+            values = {**values, **self._private_copies({n: values[n] for n in mine}, copied)}
         handoff_metadata = self._handoff_metadata(metadata)
 
         def write(key: str) -> dict | None:
             start = time.perf_counter()
+            manifest = None
             try:
                 if gathered is not None:
                     gathered.fill_copies()  # the private copies, made here rather than while the job waited
                     self.report.phases[f"{phase}_private_copy"] = time.perf_counter() - start
                 if not self._every_rank:
-                    return self._write(values, metadata)
-                return write_share(
-                    values, target.uri, target.storage_options, max_shard_size=target.max_shard_size,
-                    rank=rank, world=world, key=key, store=_inflight.job_store(), metadata=handoff_metadata,
-                )
+                    manifest = self._write(values, metadata, remove_stale_files=False)
+                else:
+                    manifest = write_share(
+                        values, target.uri, target.storage_options, max_shard_size=target.max_shard_size,
+                        rank=rank, world=world, key=key, store=_inflight.job_store(), metadata=handoff_metadata,
+                        remove_stale_files=False,
+                    )
+                return manifest
             finally:
-                self.report.phases[phase] = time.perf_counter() - start  # perhaps after the call returned
+                self.report.phases[phase] = time.perf_counter() - start  # durable; perhaps after the call returned
+                if manifest is not None:  # rank 0, committed: now the replaced handoff's files may go
+                    removing = time.perf_counter()
+                    remove_stale(target.uri, manifest, storage_options=target.storage_options)
+                    self.report.phases[f"{phase}_remove_replaced"] = time.perf_counter() - removing
                 if host is not None:
                     unlocking = time.perf_counter()
                     host.unlock()
@@ -663,13 +679,16 @@ class StageBoundary:
         }
         return {**metadata, "original_dtypes": dtypes}
 
-    def _write(self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> dict:
+    def _write(
+        self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any], *, remove_stale_files: bool = True
+    ) -> dict:
         return save_state_dict(
             values,
             self.target.uri,
             max_shard_size=self.target.max_shard_size,
             metadata=self._handoff_metadata(metadata),
             storage_options=self.target.storage_options,
+            remove_stale_files=remove_stale_files,
         )
 
     def _restore(self, values: Mapping[str, torch.Tensor], record: _ModuleRecord) -> None:

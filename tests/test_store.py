@@ -31,6 +31,7 @@ from stagesafe.store import (
     load_state_dict,
     plan_handoff,
     read_manifest,
+    remove_stale,
     save_state_dict,
     verify,
     write_shard,
@@ -230,6 +231,19 @@ def test_second_save_replaces_the_first_and_leaves_no_stale_file(url):
     save_state_dict(sd2, url, max_shard_size=800)  # 1 shard
     assert files(url) == {"model-00001-of-00001.safetensors", INDEX, MANIFEST}
     assert_bitwise_equal(load_state_dict(url), sd2)
+    verify(url)
+
+
+def test_the_replaced_handoff_can_be_removed_after_the_commit(url):
+    first = set(save_state_dict(model_dict(1, n=6), url, max_shard_size=800)["shards"])  # 3 shards
+    sd2 = model_dict(2, n=4)
+    manifest = save_state_dict(sd2, url, max_shard_size=800, remove_stale_files=False)
+    second = set(manifest["shards"])
+    assert first.isdisjoint(second)
+    assert files(url) == first | second | {INDEX, MANIFEST}  # committed; the old shards are still there
+    assert_bitwise_equal(load_state_dict(url), sd2)
+    remove_stale(url, manifest)  # all three at once
+    assert files(url) == second | {INDEX, MANIFEST}
     verify(url)
 
 

@@ -23,7 +23,7 @@ from _launch import run_script
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "trainer_sequences.py")
 sys.path.insert(0, os.path.join(HERE, "scripts"))
-from toy import ToyModule, state_digest  # noqa: E402
+from toy import HIDDEN, ToyModule, state_digest  # noqa: E402
 from trainer_sequences import STAGES  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -59,6 +59,7 @@ def stock_run(tmp_path_factory):
     return _run(tmp_path_factory, "stock", [lightning_cpu])
 
 
+BUFFER_BYTES = HIDDEN * 4  # ToyModule's only tensor that is not a trainable parameter: a buffer of HIDDEN fp32
 PAIRS = [(a, b, mode) for mode in ("one", "per_call") for a in STAGES for b in STAGES]
 
 
@@ -85,6 +86,9 @@ def test_every_pair_leaves_a_clean_module_holding_the_handoff(stagesafe_run, fir
     for rank in (0, 1):
         for stage in _stages(stagesafe_run, name, rank):
             _assert_clean(stage)
+            # the background writer copies the trained parameters itself: the call only waited to clone the
+            # untrained buffer, if this rank writes it
+            assert stage["boundary"]["copied_while_waiting"] <= BUFFER_BYTES
     final = _stages(stagesafe_run, name)[-1]["probe"]["digest"]
     assert final == _stages(stagesafe_run, name, rank=1)[-1]["probe"]["digest"]
     # written by 2 ranks, read by this single process: the same bits the module holds

@@ -318,6 +318,7 @@ def run_case(case: dict, spec: dict) -> dict:
         if report is not None:
             record["boundary"] = {"seconds": report.seconds, "wrote": report.wrote, "clean": report.clean, "uri": report.uri}
             record["boundary"]["unlocks_left_for_later"] = len(stagesafe._host._DEFERRED)  # the last hook starts them
+            record["boundary"]["copied_while_waiting"] = report.copied_while_waiting
         failing_write = case.get("background_failure") and index == case.get("file_size_limit_at")
         if case["strategy"] == "stagesafe" and record["error"] is None and not failing_write:
             strategy.wait_for_handoff()  # every rank: the write may still run in the background
