@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import resource
 import shutil
 import sys
 import tempfile
@@ -62,13 +63,18 @@ class Wide(pl.LightningModule):
 class AcceleratePath(Callback):
     """At the end of training, with the engine alive: Accelerate's way of getting the weights out."""
 
-    def __init__(self, path: str, sampler: "ThreadSampler | None" = None) -> None:
+    def __init__(self, path: str, sampler: "ThreadSampler | None" = None, measure: bool = True) -> None:
         self.path = path
+        self.measure = measure  # False: only mark the end of the stage (a scale run)
+        self.masters: dict[str, torch.Tensor] | None = None
         self.gather = self.save = self.garbage = 0.0
         self.stage_ended = 0.0
         self.sampler = sampler  # started at the end of each stage, stopped once the call has returned
 
     def on_train_end(self, trainer, pl_module) -> None:
+        if not self.measure:
+            self._stage_end()
+            return
         import deepspeed.utils
 
         engine = trainer.strategy.model
@@ -286,6 +292,12 @@ def main() -> None:
     parser.add_argument(
         "--sample-threads", action="store_true", help="sample every thread's Python frame while leaving each stage"
     )
+    parser.add_argument(
+        "--scale",
+        action="store_true",
+        help="for models of many GB: no Accelerate path, no fp32-masters copy, no save_file or lone-writer "
+        "baselines, disk probes with early write-back only, the handoff compared without re-hashing it",
+    )
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-boundary"))
     args = parser.parse_args()
     os.makedirs(args.root, exist_ok=True)
@@ -298,7 +310,7 @@ def main() -> None:
         stage=3, handoff_uri=os.path.join(args.root, "handoff"), wait_for_write=args.write_alone
     )
     sampler = ThreadSampler() if args.sample_threads else None
-    accelerate = AcceleratePath(os.path.join(args.root, "accelerate.safetensors"), sampler)
+    accelerate = AcceleratePath(os.path.join(args.root, "accelerate.safetensors"), sampler, measure=not args.scale)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
         max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -325,41 +337,48 @@ def main() -> None:
                                 sampler.summary(a, b, since)))
     strategy.wait_for_handoff()  # the fit's write was joined by the test; this joins nothing more
 
-    module_equals_masters = all(
+    module_equals_masters = accelerate.masters is not None and all(
         torch.equal(dict(model.named_parameters())[n].detach().view(torch.int32), m.view(torch.int32))
         for n, m in accelerate.masters.items()
     )
+    peak_rss_gb = [None] * dist.get_world_size()  # ru_maxrss: page-locked memory counts, it is resident
+    dist.all_gather_object(peak_rss_gb, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9)
     if dist.get_rank() != 0:
         return
-    handoff = stagesafe.load_state_dict(strategy.handoff_uri)
+    handoff = stagesafe.load_state_dict(strategy.handoff_uri, verify=not args.scale)
     handoff_equals_module = all(torch.equal(handoff[k].view(torch.uint8), v.view(torch.uint8))
                                 for k, v in model.state_dict().items())
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     nbytes = sum(v.numel() * v.element_size() for v in state.values())
-    baseline_path = os.path.join(args.root, "baseline.safetensors")
-    start = time.perf_counter()
-    save_file(state, baseline_path)
-    baseline = time.perf_counter() - start
-    os.remove(baseline_path)
-    alone_path = os.path.join(args.root, "alone")
-    start = time.perf_counter()
-    stagesafe.save_state_dict(state, alone_path, max_shard_size=strategy.max_shard_size)
-    alone = time.perf_counter() - start
-    shutil.rmtree(alone_path)
+    baseline = alone = None
+    if not args.scale:
+        baseline_path = os.path.join(args.root, "baseline.safetensors")
+        start = time.perf_counter()
+        save_file(state, baseline_path)
+        baseline = time.perf_counter() - start
+        os.remove(baseline_path)
+        alone_path = os.path.join(args.root, "alone")
+        start = time.perf_counter()
+        stagesafe.save_state_dict(state, alone_path, max_shard_size=strategy.max_shard_size)
+        alone = time.perf_counter() - start
+        shutil.rmtree(alone_path)
     d2h, bandwidth = device_to_host_seconds(nbytes, args.accelerator)
     probes = {
         f"{writers} writer{'s' if writers > 1 else ''}{', early write-back' if early else ''}": disk_write_seconds(
             nbytes, args.root, writers, early
         )
         for writers in (1, 4)
-        for early in (False, True)
+        for early in ((True,) if args.scale else (False, True))
     }
     disk = min(probes.values())
 
     print(f"\nmodel: {n_params / 1e6:.1f}M parameters, {nbytes / 1e9:.2f} GB fp32; {args.devices} x {args.accelerator}, "
           f"{args.precision}; torch {torch.__version__}")
+    saved = f"; save_file (page cache, no fsync): {baseline:.3f} s" if baseline is not None else ""
     print(f"floor (fp32 bytes / device-to-host {bandwidth:.1f} GB/s): {d2h:.3f} s; disk write+fsync: {disk:.3f} s "
-          f"({nbytes / disk / 1e9:.2f} GB/s); save_file (page cache, no fsync): {baseline:.3f} s\n")
+          f"({nbytes / disk / 1e9:.2f} GB/s){saved}\n")
+    print("peak host memory per rank (ru_maxrss, page-locked memory included): "
+          + ", ".join(f"rank {r} {gb:.1f} GB" for r, gb in enumerate(peak_rss_gb)))
     print("disk probes (write+fsync of the same bytes; the best is the reference): "
           + ", ".join(f"{k} {nbytes / v / 1e9:.2f} GB/s" for k, v in probes.items()))
     for stage, spans, returned, collected in timelines:
@@ -375,14 +394,16 @@ def main() -> None:
         print(title, *lines, sep="\n")
     for text in timeline.profiles:
         print(f"cProfile of the fit loop's teardown:\n{text}")
-    print(f"bitwise: module after fit == the engine's fp32 masters at the end of training: {module_equals_masters}; "
+    masters = module_equals_masters if accelerate.masters is not None else "not checked (--scale)"
+    print(f"bitwise: module after fit == the engine's fp32 masters at the end of training: {masters}; "
           f"handoff == module: {handoff_equals_module}\n")
     print("| path | blocks the job (s) | / floor | until the weights are on disk (s) |")
     print("| --- | --- | --- | --- |")
     acc_total = accelerate.gather + accelerate.save
-    print(f"| Accelerate: 16-bit gather {accelerate.gather:.3f} + save_file {accelerate.save:.3f} (then a garbage "
-          f"collection frees its state dict, {accelerate.garbage:.3f}, not counted) | {acc_total:.3f} | "
-          f"{acc_total / d2h:.1f}x | {acc_total:.3f} (16-bit only, no fsync) |")
+    if accelerate.measure:
+        print(f"| Accelerate: 16-bit gather {accelerate.gather:.3f} + save_file {accelerate.save:.3f} (then a garbage "
+              f"collection frees its state dict, {accelerate.garbage:.3f}, not counted) | {acc_total:.3f} | "
+              f"{acc_total / d2h:.1f}x | {acc_total:.3f} (16-bit only, no fsync) |")
     for stage, report, blocked in rows:
         phases = {k: v for k, v in report.phases.items() if not k.startswith(("handoff_write", "first_handoff_write"))}
         write = report.phases.get("handoff_write")
@@ -402,19 +423,20 @@ def main() -> None:
             print(f"| stagesafe entering {stage} (first handoff: checked writable, written in the background in "
                   f"{first:.3f} s) | {enter:.3f} | {enter / d2h:.1f}x | {enter + first:.3f} |")
     write = rows[0][1].phases.get("handoff_write", 0.0)
-    print(f"\nthe store's writer alone (rank 0, one process, nothing else running): {alone:.3f} s = "
-          f"{nbytes / alone / 1e9:.2f} GB/s, {disk / alone * 100:.0f}% of the disk's write+fsync bandwidth")
+    if alone is not None:
+        print(f"\nthe store's writer alone (rank 0, one process, nothing else running): {alone:.3f} s = "
+              f"{nbytes / alone / 1e9:.2f} GB/s, {disk / alone * 100:.0f}% of the disk's write+fsync bandwidth")
     where = "while the call waited" if args.write_alone else "background"
     fit_phases = rows[0][1].phases
     parts = {k.removeprefix("handoff_write_"): v for k, v in fit_phases.items() if k.startswith("handoff_write_")}
     where += "".join(f"; {k} {v:.3f} s" for k, v in parts.items())
+    versus = f"; handoff write / save_file: {write / baseline:.2f}x" if baseline is not None else ""
     print(f"handoff write after fit ({where}): {write:.3f} s = {nbytes / max(write, 1e-9) / 1e9:.2f} GB/s, "
-          f"{disk / max(write, 1e-9) * 100:.0f}% of the disk's write+fsync bandwidth; "
-          f"handoff write / save_file: {write / baseline:.2f}x")
+          f"{disk / max(write, 1e-9) * 100:.0f}% of the disk's write+fsync bandwidth{versus}")
     print(f"\nreproduce: python benchmarks/bench_boundary.py --layers {args.layers} --width {args.width} "
           f"--accelerator {args.accelerator} --devices {args.devices} --precision {args.precision}"
           + (" --write-alone" if args.write_alone else "") + (" --profile-teardown" if args.profile_teardown else "")
-          + (" --sample-threads" if args.sample_threads else ""))
+          + (" --sample-threads" if args.sample_threads else "") + (" --scale" if args.scale else ""))
 
 
 if __name__ == "__main__":
