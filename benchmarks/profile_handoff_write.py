@@ -88,9 +88,12 @@ def main() -> None:
 
     removals: list[float] = []  # deleting the replaced handoff's files after the commit
 
-    def variant(every_rank: bool, memory: str, replace: str = "") -> Callable[[int], float]:
+    def variant(every_rank: bool, memory: str, replacing: str = "") -> Callable[[int], float]:
+        """``replacing``: "" writes to a fresh folder; "in the save" or "after the commit" write over the last
+        handoff and delete its files then."""
+
         def run(round_: int) -> float:
-            uri = os.path.join(root, "replaced" if replace else f"fresh-{round_}-{every_rank}-{memory}")
+            uri = os.path.join(root, "replaced" if replacing else f"fresh-{round_}-{every_rank}-{memory}")
             host = locked() if memory != "plain" and gpu else None
             committed: list[dict | None] = []
             dist.barrier()
@@ -98,16 +101,16 @@ def main() -> None:
             def go() -> None:
                 if host is not None and memory == "unlocked meanwhile":
                     host.unlock_in_background(host.existing.values())
-                committed.append(write(values, uri, every_rank, remove=replace != "after"))
+                committed.append(write(values, uri, every_rank, remove=replacing != "after the commit"))
 
             seconds = timed(go)
-            if replace == "after" and committed[0] is not None:
+            if replacing == "after the commit" and committed[0] is not None:
                 start = time.perf_counter()
                 remove_stale(uri, committed[0])
                 removals.append(time.perf_counter() - start)
             if host is not None:
                 host.unlock()
-            if rank == 0 and not replace:
+            if rank == 0 and not replacing:
                 shutil.rmtree(uri)
             return seconds
 
@@ -119,13 +122,14 @@ def main() -> None:
         for memory in ("plain", "page-locked", "unlocked meanwhile"):
             if memory != "plain" and not gpu:
                 continue
-            variants[f"{who}, {memory} memory, fresh folder"] = variant(every_rank, memory, False)
+            variants[f"{who}, {memory} memory, fresh folder"] = variant(every_rank, memory)
         variants[f"{who}, plain memory, over the last handoff, its files deleted by the save"] = variant(
-            every_rank, "plain", "before"
+            every_rank, "plain", "in the save"
         )
         variants[f"{who}, plain memory, over the last handoff, committed (its files deleted after)"] = variant(
-            every_rank, "plain", "after"
+            every_rank, "plain", "after the commit"
         )
+
     def probe(writers: int) -> Callable[[int], float]:
         def run(round_: int) -> float:
             dist.barrier()
@@ -138,7 +142,7 @@ def main() -> None:
     probes = {f"disk probe: {n} writer{'s' if n > 1 else ''}, early write-back": probe(n) for n in (1, 4)}
     everything = {**probes, **variants}
     seconds: dict[str, list[float]] = {name: [] for name in everything}
-    variant(False, "plain", "before")(-1)  # the first "last handoff" for the variants that replace one
+    variant(False, "plain", "in the save")(-1)  # the first "last handoff" for the variants that replace one
     for round_ in range(args.rounds):
         order = list(everything) if round_ % 2 == 0 else list(reversed(everything))
         for name in order:
