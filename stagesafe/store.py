@@ -313,8 +313,13 @@ def commit(
 
 def remove_stale(uri: str, manifest: Mapping[str, Any], *, storage_options: dict[str, Any] | None = None) -> None:
     """Delete the files at ``uri`` that its committed ``manifest`` does not use: the previous handoff's shards
-    and killed writers' temporary files. Best effort, like the deletion :func:`commit` does itself."""
-    fs, root = resolve(uri, storage_options)
+    and killed writers' temporary files. Best effort, like the deletion :func:`commit` does itself: a failure
+    is logged, never raised, since the handoff is already committed."""
+    try:
+        fs, root = resolve(uri, storage_options)
+    except Exception as exc:  # noqa: BLE001 - any storage client's error
+        log.warning("stagesafe: could not open %s to delete stale files (%s); the next save retries", uri, exc)
+        return
     _remove_stale(fs, root, keep=set(manifest["shards"]))
 
 

@@ -247,6 +247,12 @@ def test_the_replaced_handoff_can_be_removed_after_the_commit(url):
     verify(url)
 
 
+def test_removing_stale_files_never_raises_once_committed(caplog):
+    with caplog.at_level("WARNING", logger="stagesafe.store"):
+        remove_stale("nosuchprotocol://bucket/weights", {"shards": {}})  # the store cannot even be opened
+    assert "could not open nosuchprotocol://bucket/weights to delete stale files" in caplog.text
+
+
 def test_colliding_names_are_tagged_and_the_old_generation_deleted_after_commit(url):
     save_state_dict(model_dict(1, n=4), url, max_shard_size=800)
     first = set(read_manifest(url)["shards"])
