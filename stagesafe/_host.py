@@ -96,7 +96,7 @@ class HostBuffers:
                 cudart = torch.cuda.cudart()
                 for tensor in _lockable([*self.existing.values(), *allocated.values()]):
                     with self._lock:
-                        error = cudart.cudaHostRegister(tensor.data_ptr(), _nbytes(tensor), _REGISTER_FLAGS)
+                        error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, _REGISTER_FLAGS)
                         if int(error) != 0:  # a cudaError enum: truthy whatever its value
                             reason = cudart.cudaGetErrorString(error)
                             failed[reason] = failed.get(reason, 0) + 1
@@ -120,10 +120,6 @@ def start_deferred_unlocks() -> None:
         buffers.unlock_in_background(tensors)
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
-
-
 def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Large CPU tensors that own their whole allocation, once each; never memory that is already pinned."""
     seen: set[int] = set()
@@ -135,8 +131,8 @@ def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             or tensor.is_pinned()
             or not tensor.is_contiguous()
             or tensor.storage_offset() != 0
-            or storage.nbytes() != _nbytes(tensor)
-            or _nbytes(tensor) < _MIN_LOCK_BYTES
+            or storage.nbytes() != tensor.nbytes
+            or tensor.nbytes < _MIN_LOCK_BYTES
             or tensor.data_ptr() in seen
         ):
             continue

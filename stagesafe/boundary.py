@@ -601,7 +601,7 @@ class StageBoundary:
                     by_id[id(value)] = copied[name]
                 else:
                     by_id[id(value)] = value.clone()
-                    self.report.copied_while_waiting += value.numel() * value.element_size()
+                    self.report.copied_while_waiting += value.nbytes
             private[name] = by_id[id(value)]
         return private
 
@@ -634,7 +634,7 @@ class StageBoundary:
                     gathered.fill_copies()  # the private copies, made here rather than while the job waited
                     self.report.phases[f"{phase}_private_copy"] = time.perf_counter() - start
                 if not self._every_rank:
-                    manifest = self._write(values, metadata, remove_stale_files=False)
+                    manifest = self._write(values, handoff_metadata, remove_stale_files=False)
                 else:
                     manifest = write_share(
                         values, target.uri, target.storage_options, max_shard_size=target.max_shard_size,
@@ -668,7 +668,7 @@ class StageBoundary:
     ) -> dict:
         start = time.perf_counter()
         try:
-            return self._write(values, metadata)
+            return self._write(values, self._handoff_metadata(metadata))
         finally:
             self.report.phases[phase] = time.perf_counter() - start  # on rank 0, perhaps in a thread
 
@@ -682,11 +682,12 @@ class StageBoundary:
     def _write(
         self, values: Mapping[str, torch.Tensor], metadata: Mapping[str, Any], *, remove_stale_files: bool = True
     ) -> dict:
+        """Rank 0 writes the whole handoff; ``metadata`` as :meth:`_handoff_metadata` makes it."""
         return save_state_dict(
             values,
             self.target.uri,
             max_shard_size=self.target.max_shard_size,
-            metadata=self._handoff_metadata(metadata),
+            metadata=metadata,
             storage_options=self.target.storage_options,
             remove_stale_files=remove_stale_files,
         )
