@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_boundary import disk_write_seconds  # noqa: E402
 
 import stagesafe  # noqa: E402
-from stagesafe import _inflight  # noqa: E402
-from stagesafe._host import HostBuffers  # noqa: E402
-from stagesafe._parallel_write import write_share  # noqa: E402
-from stagesafe.store import remove_stale  # noqa: E402
+from stagesafe.lightning import inflight as _inflight  # noqa: E402
+from stagesafe.lightning.host import HostBuffers  # noqa: E402
+from stagesafe.lightning.shared_write import write_share  # noqa: E402
+from stagesafe.handoff.store import remove_stale  # noqa: E402
 
 _SHARD = "1GB"
 

@@ -16,7 +16,7 @@ import importlib.util
 import sys
 from typing import Any
 
-from .errors import (
+from stagesafe.errors import (
     CheckpointFormatError,
     DistributedStageError,
     HandoffCorruptError,
@@ -34,12 +34,12 @@ from .errors import (
 
 __version__ = "0.1.0"
 
-from .consolidate import consolidate, inspect_checkpoint, load_zero_checkpoint
-from .restore import restore
-from .store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
+from stagesafe.consolidate import consolidate, inspect_checkpoint, load_zero_checkpoint
+from stagesafe.restore import restore
+from stagesafe.handoff.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
 
 # Only the strategy pulls in Lightning and DeepSpeed: it loads on first use, or as soon as Lightning does.
-_LAZY = {"StageSafeDeepSpeedStrategy": "stagesafe.strategy"}
+_LAZY = {"StageSafeDeepSpeedStrategy": "stagesafe.lightning.strategy"}
 
 __all__ = [
     "StageSafeDeepSpeedStrategy",
@@ -105,10 +105,10 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
-        importlib.import_module("stagesafe.strategy")
+        importlib.import_module("stagesafe.lightning.strategy")
 
 
 if "lightning.pytorch" in sys.modules:  # the user works with Lightning: register the strategy names now
-    importlib.import_module("stagesafe.strategy")
+    importlib.import_module("stagesafe.lightning.strategy")
 else:
     sys.meta_path.insert(0, _RegisterWithLightning())

@@ -259,9 +259,9 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from stagesafe._fs import join, resolve
+    from stagesafe.handoff.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
-    from stagesafe.store import verify
+    from stagesafe.handoff.store import verify
 
     options = dict(args.storage_options) or None
     try:

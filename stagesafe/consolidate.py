@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO checkpoint folder -> the handoff format (safetensors shards, index, manifest), shard by shard.
 
-:func:`consolidate` reads the checkpoint lazily (:mod:`stagesafe.zero_checkpoint`) and writes with the store's
-own steps (:func:`stagesafe.store.write_shard`, :func:`stagesafe.store.commit`), so a consolidated checkpoint
+:func:`consolidate` reads the checkpoint lazily (:mod:`stagesafe.zero.checkpoint`) and writes with the store's
+own steps (:func:`stagesafe.handoff.store.write_shard`, :func:`stagesafe.handoff.store.commit`), so a consolidated checkpoint
 and a strategy handoff are the same format, written by the same code. Only the tensors of the shards being
 written are in memory. :func:`load_zero_checkpoint` reads a (small) checkpoint into memory instead, and
 :func:`inspect_checkpoint` describes a handoff or a ZeRO checkpoint without reading tensor data.
@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from stagesafe import store
-from stagesafe._fs import join, list_files, resolve, url_of
-from stagesafe._planning import INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
+from stagesafe.handoff import store
+from stagesafe.handoff.fs import join, list_files, resolve, url_of
+from stagesafe.handoff.plan import INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
-from stagesafe.zero_checkpoint import ZeroCheckpoint, open_zero_checkpoint
+from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 
 __all__ = [
     "DTYPES",
@@ -64,7 +64,7 @@ def consolidate(
     recorded as aliases in the manifest.
 
     ``workers`` shards are built and written at a time. The rank files are read one tensor at a time and their
-    pages given back, so memory is set by the shard writer: :func:`stagesafe.store.write_shard` holds a few
+    pages given back, so memory is set by the shard writer: :func:`stagesafe.handoff.store.write_shard` holds a few
     copies of each shard in flight (see docs/performance.md). ``progress``: a bar on stderr (default: when
     stderr is a terminal). Nothing is left at ``dst`` if it fails; an existing handoff at ``dst`` is replaced
     atomically only with ``overwrite=True``.

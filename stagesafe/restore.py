@@ -10,9 +10,9 @@ from typing import Any, Mapping
 import torch
 from torch import nn
 
-from . import _zero
-from .errors import StateDictMismatchError
-from .store import load_state_dict
+from stagesafe.zero import engine as _zero
+from stagesafe.errors import StateDictMismatchError
+from stagesafe.handoff.store import load_state_dict
 
 __all__ = ["restore", "load_for", "check_fits", "assign_values"]
 

@@ -16,7 +16,7 @@ from _launch import zero_checkpoints
 from safetensors.torch import load_file
 
 from stagesafe.cli import main
-from stagesafe.store import load_state_dict
+from stagesafe.handoff.store import load_state_dict
 
 pytestmark = pytest.mark.timeout(300)  # the first test pays for building the checkpoints (up to ~40 s cold)
 

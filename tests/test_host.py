@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from stagesafe import _host
-from stagesafe._host import _MIN_LOCK_BYTES, HostBuffers, _lockable, start_deferred_unlocks
+from stagesafe.lightning import host as _host
+from stagesafe.lightning.host import _MIN_LOCK_BYTES, HostBuffers, _lockable, start_deferred_unlocks
 
 
 def test_only_large_tensors_that_own_their_whole_allocation_are_locked_once_each():

@@ -8,8 +8,8 @@ import pathlib
 
 import pytest
 
-import stagesafe._planning
-from stagesafe._planning import (
+import stagesafe.handoff.plan
+from stagesafe.handoff.plan import (
     FORMAT,
     build_index,
     build_manifest,
@@ -28,7 +28,7 @@ from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 
 def test_pure_module_imports_neither_torch_nor_fsspec():
     # Read the source rather than sys.modules: the package's __init__ may import torch for its own reasons.
-    tree = ast.parse(pathlib.Path(stagesafe._planning.__file__).read_text())
+    tree = ast.parse(pathlib.Path(stagesafe.handoff.plan.__file__).read_text())
     imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
     imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
     assert {m.split(".")[0] for m in imported} <= {

@@ -28,15 +28,15 @@ from _launch import run_ranks, run_script, sanitized_env
 from torch import nn
 
 from stagesafe import load_state_dict, read_manifest, restore, save_state_dict, verify
-from stagesafe._fs import list_files, resolve
+from stagesafe.handoff.fs import list_files, resolve
 from stagesafe.cli import main as cli_main
 from stagesafe.errors import (
     HandoffCorruptError,
     InvalidArgumentError,
     StorageTransferError,
 )
-from stagesafe._planning import manifest_checksum
-from stagesafe.store import RetryPolicy
+from stagesafe.handoff.plan import manifest_checksum
+from stagesafe.handoff.store import RetryPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

@@ -11,7 +11,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from stagesafe._safe_pickle import ALLOWED_GLOBALS, OpaqueRecord, can_map, release_pages, safe_load
+from stagesafe.zero.safe_pickle import ALLOWED_GLOBALS, OpaqueRecord, can_map, release_pages, safe_load
 from stagesafe.errors import CheckpointFormatError, StageSafeError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,7 +98,7 @@ def test_loading_imports_nothing_it_names(tmp_path):
     check = textwrap.dedent(
         f"""
         import sys
-        from stagesafe._safe_pickle import safe_load
+        from stagesafe.zero.safe_pickle import safe_load
         obj = safe_load({str(path)!r})
         assert obj["loss_scaler"].cur_scale == 2.0
         assert "deepspeed" not in sys.modules, "safe_load imported deepspeed"

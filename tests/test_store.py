@@ -15,8 +15,8 @@ import pytest
 import safetensors.torch
 import torch
 
-from stagesafe._fs import list_files, resolve
-from stagesafe._planning import manifest_checksum
+from stagesafe.handoff.fs import list_files, resolve
+from stagesafe.handoff.plan import manifest_checksum
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
@@ -24,7 +24,7 @@ from stagesafe.errors import (
     InvalidArgumentError,
     StorageBackendError,
 )
-from stagesafe.store import (
+from stagesafe.handoff.store import (
     Pieces,
     commit,
     live_files,
@@ -248,7 +248,7 @@ def test_the_replaced_handoff_can_be_removed_after_the_commit(url):
 
 
 def test_removing_stale_files_never_raises_once_committed(caplog):
-    with caplog.at_level("WARNING", logger="stagesafe.store"):
+    with caplog.at_level("WARNING", logger="stagesafe.handoff.store"):
         remove_stale("nosuchprotocol://bucket/weights", {"shards": {}})  # the store cannot even be opened
     assert "could not open nosuchprotocol://bucket/weights to delete stale files" in caplog.text
 
@@ -320,7 +320,7 @@ def test_pieces_are_written_as_the_tensor_they_join_into(tmp_path):
 
 
 def test_a_reader_overtaken_by_a_new_commit_reads_the_new_handoff(url, monkeypatch):
-    import stagesafe.store as store
+    import stagesafe.handoff.store as store
 
     save_state_dict(model_dict(1, n=4), url, max_shard_size=800)
     stale = read_manifest(url)
@@ -536,13 +536,13 @@ def test_workers_and_retry_arguments_are_checked(url):
     for bad in (0, -1, True, 2.0):
         with pytest.raises(InvalidArgumentError, match="workers="):
             save_state_dict(model_dict(1), url, workers=bad)
-    with pytest.raises(InvalidArgumentError, match="must be a stagesafe.store.RetryPolicy"):
+    with pytest.raises(InvalidArgumentError, match="must be a stagesafe.handoff.store.RetryPolicy"):
         load_state_dict(url, retry=3)
     assert files(url) == set()
 
 
 def test_a_shard_this_process_wrote_is_mapped_but_a_changed_one_is_hashed_again(tmp_path):
-    from stagesafe import _local_shards
+    from stagesafe.handoff import local_shards as _local_shards
 
     url = str(tmp_path / "handoff")
     sd, shards = _three_shards(url)
@@ -584,7 +584,7 @@ def test_a_loaded_shard_holds_views_of_one_buffer_that_safetensors_can_save(tmp_
 
 def test_check_writable_fails_early_and_leaves_nothing(tmp_path):
     from stagesafe.errors import StorageTransferError
-    from stagesafe.store import check_writable
+    from stagesafe.handoff.store import check_writable
 
     url = str(tmp_path / "handoff")
     check_writable(url)

@@ -20,7 +20,7 @@ from stagesafe.errors import (
     HandoffNotFoundError,
     StorageTransferError,
 )
-from stagesafe.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
+from stagesafe.handoff.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
 
 pytestmark = pytest.mark.timeout(60)
 

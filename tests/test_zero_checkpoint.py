@@ -23,8 +23,8 @@ from stagesafe.consolidate import (
     load_zero_checkpoint_with_client_state,
 )
 from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, UnsafeCheckpointError
-from stagesafe.store import load_state_dict, verify
-from stagesafe.zero_checkpoint import open_zero_checkpoint
+from stagesafe.handoff.store import load_state_dict, verify
+from stagesafe.zero.checkpoint import open_zero_checkpoint
 
 pytestmark = pytest.mark.timeout(300)  # the first test pays for building the checkpoints (up to ~40 s cold)
 
@@ -350,7 +350,7 @@ def test_consolidate_to_memory_url(ckpts):
 
 
 def test_failed_consolidate_leaves_nothing(ckpts, tmp_path, monkeypatch):
-    from stagesafe import store
+    from stagesafe.handoff import store
 
     calls = []
 

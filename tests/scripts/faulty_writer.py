@@ -30,8 +30,10 @@ import sys
 
 import torch
 
-from stagesafe import save_state_dict, store
-from stagesafe._planning import INDEX_NAME, MANIFEST_NAME
+from stagesafe import save_state_dict
+
+from stagesafe.handoff import store
+from stagesafe.handoff.plan import INDEX_NAME, MANIFEST_NAME
 
 NUMEL = 4 * 1024 * 1024  # float32 elements per tensor: 16 MiB
 SHARD = "32MiB"

@@ -40,7 +40,7 @@ from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 
 import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
-from stagesafe._cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 
 class GatedMemoryFileSystem(MemoryFileSystem):
@@ -317,7 +317,7 @@ def run_case(case: dict, spec: dict) -> dict:
         report = getattr(strategy, "last_boundary", None)
         if report is not None:
             record["boundary"] = {"seconds": report.seconds, "wrote": report.wrote, "clean": report.clean, "uri": report.uri}
-            record["boundary"]["unlocks_left_for_later"] = len(stagesafe._host._DEFERRED)  # the last hook starts them
+            record["boundary"]["unlocks_left_for_later"] = len(stagesafe.lightning.host._DEFERRED)  # the last hook starts them
             record["boundary"]["copied_while_waiting"] = report.copied_while_waiting
         failing_write = case.get("background_failure") and index == case.get("file_size_limit_at")
         if case["strategy"] == "stagesafe" and record["error"] is None and not failing_write:

@@ -18,8 +18,8 @@ from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
-from stagesafe._planning import temp_name
-from stagesafe._writeback import EVERY, start_writeback
+from stagesafe.handoff.plan import temp_name
+from stagesafe.handoff.writeback import EVERY, start_writeback
 from stagesafe.errors import InvalidArgumentError, StorageBackendError
 
 __all__ = [

@@ -1,6 +1,6 @@
 """``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
 
-Thin glue: each override hands the work to :mod:`stagesafe.boundary`, which knows nothing of Lightning.
+Thin glue: each override hands the work to :mod:`stagesafe.lightning.boundary`, which knows nothing of Lightning.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
 from typing_extensions import override
 
-from . import _zero
-from ._cpu import CPUCapableDeepSpeedStrategy
-from .boundary import BoundaryReport, HandoffTarget, StageBoundary
+from stagesafe.zero import engine as _zero
+from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy
+from stagesafe.lightning.boundary import BoundaryReport, HandoffTarget, StageBoundary
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
@@ -203,7 +203,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             return super().load_checkpoint(checkpoint_path, weights_only)
         # DeepSpeed cannot load a checkpoint into an inference engine (its ZeRO-Offload optimizer has no
         # _restore_from_bit16_weights): read the fp32 weights ourselves and load them into the partitions.
-        from .consolidate import load_zero_checkpoint_with_client_state
+        from stagesafe.consolidate import load_zero_checkpoint_with_client_state
 
         values, client_state = load_zero_checkpoint_with_client_state(os.fspath(checkpoint_path))
         client_state = dict(client_state)
@@ -339,7 +339,7 @@ def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict:
     """Refuse a checkpoint that does not fit the module, before anything is loaded."""
     if module is None or not strict:
         return
-    from .restore import check_fits
+    from stagesafe.restore import check_fits
 
     check_fits(module, state_dict)
 

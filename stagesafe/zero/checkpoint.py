@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
-from stagesafe._fs import basename, is_local, join, resolve, url_of
-from stagesafe._safe_pickle import can_map, release_pages, safe_load
+from stagesafe.handoff.fs import basename, is_local, join, resolve, url_of
+from stagesafe.zero.safe_pickle import can_map, release_pages, safe_load
 from stagesafe.errors import CheckpointFormatError
 
 __all__ = ["TensorSpec", "ZeroCheckpoint", "open_zero_checkpoint"]

@@ -11,7 +11,7 @@ from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from .errors import DistributedStageError
+from stagesafe.errors import DistributedStageError
 
 __all__ = ["rank", "world_size", "barrier", "on_rank_zero", "all_ranks"]
 

@@ -10,7 +10,7 @@ generation's files are deleted. A reader sees the old handoff or the new one, ne
 
 Transfers go straight to the store. Shards are written and read ``workers`` at a time (default: 4 on object
 stores and other remote filesystems, 1 on a local disk), so about ``workers`` shards are in memory at once
-besides the state dict itself. Every storage operation is retried on transient errors (:mod:`stagesafe._retry`);
+besides the state dict itself. Every storage operation is retried on transient errors (:mod:`stagesafe.handoff.retry`);
 after the last try, or on a refusal such as a missing bucket or denied access, a ``StorageTransferError`` names
 the file and the URL.
 """
@@ -37,9 +37,11 @@ import fsspec
 import safetensors
 import torch
 
-from stagesafe import _inflight, _local_shards
-from stagesafe._fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
-from stagesafe._planning import (
+from stagesafe.lightning import inflight as _inflight
+
+from stagesafe.handoff import local_shards as _local_shards
+from stagesafe.handoff.fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
+from stagesafe.handoff.plan import (
     INDEX_NAME,
     MANIFEST_NAME,
     SAFETENSORS_DTYPES,
@@ -55,7 +57,7 @@ from stagesafe._planning import (
     temp_name,
     validate_manifest,
 )
-from stagesafe._retry import RetryPolicy, TransferAbandoned, call_with_retries
+from stagesafe.handoff.retry import RetryPolicy, TransferAbandoned, call_with_retries
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
@@ -557,7 +559,7 @@ def _check_retry(retry: Any) -> RetryPolicy:
         return RetryPolicy()
     if not isinstance(retry, RetryPolicy):
         raise InvalidArgumentError(
-            f"retry={retry!r} must be a stagesafe.store.RetryPolicy, e.g. RetryPolicy(attempts=8, initial_delay=2)"
+            f"retry={retry!r} must be a stagesafe.handoff.store.RetryPolicy, e.g. RetryPolicy(attempts=8, initial_delay=2)"
         )
     return retry
 

@@ -21,11 +21,11 @@ import fsspec
 import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
-from ._fs import is_local, resolve, url_of
-from ._inflight import wait_for_keys
-from ._planning import check_metadata
-from .errors import StorageTransferError
-from .store import HandoffPlan, ShardRecord, commit, live_files, plan_handoff, write_shards
+from stagesafe.handoff.fs import is_local, resolve, url_of
+from stagesafe.lightning.inflight import wait_for_keys
+from stagesafe.handoff.plan import check_metadata
+from stagesafe.errors import StorageTransferError
+from stagesafe.handoff.store import HandoffPlan, ShardRecord, commit, live_files, plan_handoff, write_shards
 
 __all__ = ["shared_by_all_ranks", "owners", "names_written_by", "write_share"]
 
@@ -75,7 +75,7 @@ def write_share(
 
     ``key`` (the same on every rank) names this write in the store; no rank commits or plans the next write
     before every rank has posted, so all ranks see the same committed files and plan the same names.
-    ``remove_stale_files``: as in :func:`~stagesafe.store.commit`.
+    ``remove_stale_files``: as in :func:`~stagesafe.handoff.store.commit`.
     """
     fs, root = resolve(uri, dict(storage_options or {}))
     metadata = check_metadata(metadata)

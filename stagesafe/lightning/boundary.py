@@ -18,13 +18,17 @@ from typing import Any, Callable, Iterator, Mapping
 import torch
 from torch import nn
 
-from . import _dist, _inflight, _zero
-from ._fs import resolve, url_of
-from ._host import HostBuffers, start_deferred_unlocks
-from ._parallel_write import names_written_by, shared_by_all_ranks, write_share
-from .errors import StaleDeepSpeedStateError
-from .restore import assign_values, load_for
-from .store import HandoffReader, check_writable, load_state_dict, remove_stale, save_state_dict, save_streamed
+from stagesafe.lightning import dist as _dist
+
+from stagesafe.lightning import inflight as _inflight
+
+from stagesafe.zero import engine as _zero
+from stagesafe.handoff.fs import resolve, url_of
+from stagesafe.lightning.host import HostBuffers, start_deferred_unlocks
+from stagesafe.lightning.shared_write import names_written_by, shared_by_all_ranks, write_share
+from stagesafe.errors import StaleDeepSpeedStateError
+from stagesafe.restore import assign_values, load_for
+from stagesafe.handoff.store import HandoffReader, check_writable, load_state_dict, remove_stale, save_state_dict, save_streamed
 
 __all__ = ["HandoffTarget", "BoundaryReport", "StageBoundary", "assert_clean"]
 

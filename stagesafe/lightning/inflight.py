@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from .errors import DistributedStageError, HandoffNotReadyError
+from stagesafe.errors import DistributedStageError, HandoffNotReadyError
 
 __all__ = ["next_key", "job_store", "wait_for_keys", "start", "start_share", "mark_elsewhere", "forget", "wait_for"]
 

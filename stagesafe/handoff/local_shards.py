@@ -17,7 +17,7 @@ import threading
 
 import torch
 
-from stagesafe._planning import SAFETENSORS_DTYPES
+from stagesafe.handoff.plan import SAFETENSORS_DTYPES
 
 __all__ = ["CHUNK", "MAX_HEADER", "read_hashed", "map_file", "remember", "known", "tensors_in"]
 
