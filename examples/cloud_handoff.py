@@ -86,6 +86,9 @@ def train(args: argparse.Namespace) -> None:
     strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3, handoff_uri=args.handoff_uri, storage_options=options)
     t = trainer(args, strategy, max_epochs=2)
     t.fit(TinyLM(), train_dataloaders=data(seed=0))
+    # fit returned once the module held its weights; the handoff is still being written. Join the write (every
+    # rank) before reading it; a script that just ends here would also wait for it, and fail if it fails.
+    strategy.wait_for_handoff()
     if t.global_rank == 0:
         manifest = stagesafe.verify(args.handoff_uri, storage_options=options)  # re-hash what is in the store
         meta = manifest["metadata"]

@@ -22,7 +22,8 @@ def test_stage_sequence_demo(tmp_path):
             rows[cells[0]] = cells  # stage, enter s, leave s, handoff MB, written, clean, numel, x, dtype
     assert list(rows) == ["validate", "fit", "test", "predict"]
     for stage, cells in rows.items():
-        assert cells[4] == ("yes" if stage == "fit" else "no")  # only training changes the weights
+        # the first stage writes the module's weights, fit the trained ones; test and predict change nothing
+        assert cells[4] == ("yes" if stage in ("validate", "fit") else "no")
         assert cells[5] == "yes"  # the clean check passed
         assert cells[6:] == ["4096", "x", "torch.float32"]  # real weights in the original dtype
     assert "module.state_dict() == handoff, bitwise: True" in result.stdout
@@ -55,7 +56,8 @@ def test_hf_transformers_example(tmp_path):
     assert "from_pretrained(handoff, key_mapping=...): same weights True" in result.stdout
     assert "(7 shards + config.json): same weights True" in result.stdout
     assert "same logits: True" in result.stdout
-    assert sorted(os.listdir(tmp_path / "hf_model"))[:2] == ["config.json", "model-00001-of-00007.safetensors"]
+    names = sorted(os.listdir(tmp_path / "hf_model"))
+    assert names[0] == "config.json" and names[1].endswith("-00001-of-00007.safetensors")
 
 
 @pytest.mark.timeout(300)

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stagesafe.lightning import host as _host
-from stagesafe.lightning.host import _MIN_LOCK_BYTES, HostBuffers, _lockable, start_deferred_unlocks
+from stagesafe.lightning.host import _MIN_LOCK_BYTES, HostBuffers, _lockable
 
 
 def test_only_large_tensors_that_own_their_whole_allocation_are_locked_once_each():
@@ -27,18 +26,3 @@ def test_fresh_buffers_are_allocated_and_touched_in_the_background_on_a_cpu_run(
     assert torch.count_nonzero(fresh) == 0  # touched: every page written once
     buffers.unlock()  # nothing was locked on the CPU: a no-op
     assert buffers.existing["w"] is existing["w"]
-
-
-def test_unlocks_put_off_until_the_call_returns_start_then_or_with_the_next_buffers():
-    """The module's memory is unlocked after Lightning's teardown (the strategy's last hook starts it), or, if
-    that hook never ran, before the next stage locks memory again."""
-    tensor = torch.ones(8)
-    buffers = HostBuffers({"w": tensor}, {}, lock_on=None).ready()
-    buffers.unlock_after_return([tensor])
-    assert [(b, [t is tensor for t in ts]) for b, ts in _host._DEFERRED] == [(buffers, [True])]
-    start_deferred_unlocks()
-    assert _host._DEFERRED == []
-
-    buffers.unlock_after_return([tensor])
-    HostBuffers({}, {}, lock_on=None).ready()
-    assert _host._DEFERRED == []

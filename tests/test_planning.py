@@ -20,6 +20,7 @@ from stagesafe.handoff.plan import (
     parse_size,
     plan_shards,
     shard_file_names,
+    tag_for,
     temp_name,
     validate_manifest,
 )
@@ -96,28 +97,24 @@ def test_plan_shards_zero_size_and_empty():
         plan_shards([("a", 1)], 0)
 
 
-def test_shard_file_names_are_huggingface_names():
-    assert shard_file_names(3, taken=set()) == [
-        "model-00001-of-00003.safetensors",
-        "model-00002-of-00003.safetensors",
-        "model-00003-of-00003.safetensors",
-    ]
-    assert shard_file_names(0, taken=set()) == []
-    # Files of another shard count are no collision.
-    assert shard_file_names(1, taken={"model-00001-of-00002.safetensors"}) == ["model-00001-of-00001.safetensors"]
-
-
-def test_shard_file_names_tag_a_generation_on_collision():
-    taken = {"model-00002-of-00002.safetensors"}
-    names = shard_file_names(2, taken=taken)
-    assert all(is_shard_name(n) for n in names)
+def test_shard_file_names_are_huggingface_names_with_a_tag_of_their_own_commit():
+    names = shard_file_names(3)
     tag = names[0].split("-")[1]
     assert len(tag) == 8 and int(tag, 16) >= 0
-    assert names == [f"model-{tag}-00001-of-00002.safetensors", f"model-{tag}-00002-of-00002.safetensors"]
-    assert taken.isdisjoint(names)
-    # Two ranks given the same tag plan the same names; once tagged names are live, plain ones are free again.
-    assert shard_file_names(2, taken=taken, tag="0badcafe") == shard_file_names(2, taken=taken, tag="0badcafe")
-    assert shard_file_names(2, taken=set(names))[0] == "model-00001-of-00002.safetensors"
+    assert names == [f"model-{tag}-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
+    assert all(is_shard_name(n) for n in names)
+    assert shard_file_names(0) == []
+    # Every commit draws a tag of its own, avoiding the names it is told are taken; ranks given one tag agree.
+    assert shard_file_names(3, taken=set(names))[0] != names[0]
+    assert shard_file_names(2, tag="0badcafe") == ["model-0badcafe-00001-of-00002.safetensors",
+                                                   "model-0badcafe-00002-of-00002.safetensors"]
+    # Older handoffs' plain names still read.
+    assert is_shard_name("model-00001-of-00002.safetensors")
+
+
+def test_every_rank_derives_the_same_tag_from_a_writes_key():
+    assert tag_for("stagesafe/ab12/write-1") == tag_for("stagesafe/ab12/write-1") != tag_for("stagesafe/ab12/write-2")
+    assert len(tag_for("x")) == 8 and int(tag_for("x"), 16) >= 0
 
 
 def test_shard_file_names_refuse_bad_or_taken_tag():

@@ -8,7 +8,8 @@ import importlib.util
 import json
 import uuid
 from collections.abc import Mapping
-from datetime import datetime, timedelta
+import os
+from datetime import datetime, timedelta, timezone
 
 import fsspec
 import pytest
@@ -25,12 +26,15 @@ from stagesafe.errors import (
     StorageBackendError,
 )
 from stagesafe.handoff.store import (
+    ORPHAN_AGE,
     Pieces,
     commit,
+    commit_handoff,
     live_files,
     load_state_dict,
     plan_handoff,
     read_manifest,
+    remove_replaced,
     remove_stale,
     save_state_dict,
     verify,
@@ -58,6 +62,17 @@ def url(request, tmp_path):
 def files(url: str) -> set[str]:
     fs, root = resolve(url)
     return set(list_files(fs, root))
+
+
+def age(url: str, name: str, seconds: float) -> None:
+    """Make a file look ``seconds`` old, as the filesystem reports it."""
+    fs, root = resolve(url)
+    path = f"{root}/{name}"
+    when = datetime.now(timezone.utc) - timedelta(seconds=seconds)
+    if fs.protocol == "memory" or "memory" in fs.protocol:
+        fs.store[path].created = when
+    else:
+        os.utime(path, (when.timestamp(), when.timestamp()))
 
 
 def read(url: str, name: str) -> bytes:
@@ -139,7 +154,8 @@ def test_small_max_shard_size_gives_hf_shards_each_loadable_by_safetensors(tmp_p
     url = str(tmp_path / "h")
     sd = model_dict(0, n=10, numel=100)  # 400 bytes each
     manifest = save_state_dict(sd, url, max_shard_size="1KB")
-    shards = [f"model-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
+    tag = next(iter(manifest["shards"])).split("-")[1]
+    shards = [f"model-{tag}-{i:05d}-of-00005.safetensors" for i in range(1, 6)]
     assert files(url) == {*shards, INDEX, MANIFEST}
     assert list(manifest["shards"]) == shards
     seen = {}
@@ -226,10 +242,11 @@ def test_views_same_exactly_are_aliases_overlapping_ones_copies(url):
 
 
 def test_second_save_replaces_the_first_and_leaves_no_stale_file(url):
-    save_state_dict(model_dict(1, n=6), url, max_shard_size=800)  # 3 shards
+    first = set(save_state_dict(model_dict(1, n=6), url, max_shard_size=800)["shards"])  # 3 shards
     sd2 = model_dict(2, n=2)
-    save_state_dict(sd2, url, max_shard_size=800)  # 1 shard
-    assert files(url) == {"model-00001-of-00001.safetensors", INDEX, MANIFEST}
+    second = set(save_state_dict(sd2, url, max_shard_size=800)["shards"])  # 1 shard
+    assert first.isdisjoint(second)  # every commit writes names of its own
+    assert files(url) == second | {INDEX, MANIFEST}
     assert_bitwise_equal(load_state_dict(url), sd2)
     verify(url)
 
@@ -237,37 +254,23 @@ def test_second_save_replaces_the_first_and_leaves_no_stale_file(url):
 def test_the_replaced_handoff_can_be_removed_after_the_commit(url):
     first = set(save_state_dict(model_dict(1, n=6), url, max_shard_size=800)["shards"])  # 3 shards
     sd2 = model_dict(2, n=4)
-    manifest = save_state_dict(sd2, url, max_shard_size=800, remove_stale_files=False)
-    second = set(manifest["shards"])
-    assert first.isdisjoint(second)
+    fs, root = resolve(url)
+    plan = plan_handoff(sd2, max_shard_size=800)
+    records = {name: write_shard(fs, root, name, plan.shard_tensors(name)) for name in plan.shards}
+    done = commit_handoff(fs, root, plan, records)
+    second = set(done.manifest["shards"])
+    assert done.replaced == first
     assert files(url) == first | second | {INDEX, MANIFEST}  # committed; the old shards are still there
     assert_bitwise_equal(load_state_dict(url), sd2)
-    remove_stale(url, manifest)  # all three at once
+    remove_replaced(fs, root, done)  # all three at once
     assert files(url) == second | {INDEX, MANIFEST}
     verify(url)
 
 
-def test_removing_stale_files_never_raises_once_committed(caplog):
+def test_removing_stale_files_never_raises(caplog):
     with caplog.at_level("WARNING", logger="stagesafe.handoff.store"):
-        remove_stale("nosuchprotocol://bucket/weights", {"shards": {}})  # the store cannot even be opened
-    assert "could not open nosuchprotocol://bucket/weights to delete stale files" in caplog.text
-
-
-def test_colliding_names_are_tagged_and_the_old_generation_deleted_after_commit(url):
-    save_state_dict(model_dict(1, n=4), url, max_shard_size=800)
-    first = set(read_manifest(url)["shards"])
-    assert first == {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
-
-    sd2 = model_dict(2, n=4)
-    second = set(save_state_dict(sd2, url, max_shard_size=800)["shards"])
-    assert first.isdisjoint(second)
-    assert all(name.startswith("model-") and len(name.split("-")[1]) == 8 for name in second)
-    assert files(url) == second | {INDEX, MANIFEST}
-    assert_bitwise_equal(load_state_dict(url), sd2)
-
-    third = set(save_state_dict(model_dict(3, n=4), url, max_shard_size=800)["shards"])
-    assert third == first  # plain names are free again
-    assert files(url) == third | {INDEX, MANIFEST}
+        remove_stale("nosuchprotocol://bucket/weights")  # the store cannot even be opened
+    assert "could not delete stale files under nosuchprotocol://bucket/weights" in caplog.text
 
 
 def test_shards_written_but_not_committed_do_not_change_the_committed_handoff(url):
@@ -278,7 +281,7 @@ def test_shards_written_but_not_committed_do_not_change_the_committed_handoff(ur
     # The steps a rank runs, stopped before commit: as if the writer were killed there.
     fs, root = resolve(url)
     sd2 = model_dict(2, n=4)
-    plan = plan_handoff(sd2, max_shard_size=800, taken=live_files(fs, root))
+    plan = plan_handoff(sd2, max_shard_size=800)
     assert set(plan.shards).isdisjoint(old_files)
     records = {name: write_shard(fs, root, name, plan.shard_tensors(name)) for name in plan.shards}
     assert files(url) == old_files | set(plan.shards)
@@ -360,10 +363,10 @@ def test_a_save_failing_midway_keeps_the_old_handoff_and_removes_its_own_shards(
     assert_bitwise_equal(load_state_dict(url), sd1)
 
 
-def test_leftovers_of_a_killed_writer_are_cleaned_by_the_next_save(url):
+def test_leftovers_of_killed_writers_are_cleaned_once_old_and_young_ones_are_left_to_their_writer(url):
     save_state_dict(model_dict(1), url)
     leftovers = [
-        "model-00001-of-00001.safetensors.tmp-deadbeef",
+        "model-1234abcd-00001-of-00001.safetensors.tmp-deadbeef",
         "stagesafe.json.tmp-0123abcd",
         "model.safetensors.index.json.tmp-00ff00ff",
         "model-0badcafe-00001-of-00003.safetensors",  # renamed into place, never committed
@@ -371,8 +374,17 @@ def test_leftovers_of_a_killed_writer_are_cleaned_by_the_next_save(url):
     for name in [*leftovers, "notes.txt", "notes.txt.tmp-deadbeef"]:
         write(url, name, b"junk")
     save_state_dict(model_dict(2), url)
+    # young: perhaps another writer's commit in progress, which must not lose its files
+    assert set(leftovers) <= files(url)
+    for name in leftovers:
+        age(url, name, ORPHAN_AGE + 60)
+    save_state_dict(model_dict(3), url)
     assert files(url) == set(read_manifest(url)["shards"]) | {INDEX, MANIFEST, "notes.txt", "notes.txt.tmp-deadbeef"}
-    assert_bitwise_equal(load_state_dict(url), model_dict(2))
+    assert_bitwise_equal(load_state_dict(url), model_dict(3))
+    write(url, "model-00000001-00001-of-00001.safetensors", b"junk")
+    age(url, "model-00000001-00001-of-00001.safetensors", ORPHAN_AGE + 60)
+    remove_stale(url)  # the same, on demand
+    assert "model-00000001-00001-of-00001.safetensors" not in files(url)
 
 
 def _three_shards(url):

@@ -1,31 +1,51 @@
-"""StageSafeDeepSpeedStrategy's arguments, checked when it is built (no processes needed)."""
+"""StageSafeDeepSpeedStrategy's own arguments: every one is checked when the strategy is made, before any
+process starts, and the user's config dict is never kept."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 
-from stagesafe import StageSafeDeepSpeedStrategy
+from stagesafe import InvalidArgumentError, StageSafeDeepSpeedStrategy, StorageBackendError
 
 
 def test_the_users_config_dict_is_copied_not_kept():
-    config = {"zero_optimization": {"stage": 3}, "zero_allow_untested_optimizer": True}
-    original = copy.deepcopy(config)
+    config = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 1}
     strategy = StageSafeDeepSpeedStrategy(config=config)
-    strategy.config["gradient_accumulation_steps"] = 1  # what Lightning does to it at setup
-    assert config == original
+    strategy.config["zero_optimization"]["stage"] = 2
+    assert config["zero_optimization"]["stage"] == 3
 
 
 @pytest.mark.parametrize("name", ["handoff_uri", "resume_from"])
-def test_urls_must_be_strings(name):
-    with pytest.raises(TypeError, match=f"{name} must be a str URL or path"):
-        StageSafeDeepSpeedStrategy(stage=3, **{name: 42})
+def test_urls_must_be_strings_of_a_known_protocol(name):
+    with pytest.raises(TypeError, match=f"{name} must be a str"):
+        StageSafeDeepSpeedStrategy(**{name: 42})
+    with pytest.raises(StorageBackendError, match="no filesystem is known for protocol 'nosuch'"):
+        StageSafeDeepSpeedStrategy(**{name: "nosuch://bucket/run"})
 
 
-def test_restore_mode_is_checked():
-    with pytest.raises(ValueError, match="choose 'cpu'"):
-        StageSafeDeepSpeedStrategy(stage=3, restore="gpu")
-    with pytest.raises(ValueError, match="needs ZeRO stage 3"):
-        StageSafeDeepSpeedStrategy(stage=2, restore="meta")
-    assert StageSafeDeepSpeedStrategy(stage=3, restore="meta").restore_mode == "meta"
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [
+        ({"max_shard_size": "5XB"}, "max_shard_size='5XB' is not a size"),
+        ({"max_shard_size": 0}, "max_shard_size=0 is not a size"),
+        ({"between_stages": "gpu"}, "choose 'cpu'"),
+        ({"stage": 2, "between_stages": "meta"}, "needs ZeRO stage 3"),
+    ],
+)
+def test_bad_values_are_refused_when_the_strategy_is_made(kwargs, pattern):
+    with pytest.raises(InvalidArgumentError, match=pattern):
+        StageSafeDeepSpeedStrategy(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs,pattern",
+    [({"wait_for_write": "yes"}, "wait_for_write must be True or False"), ({"storage_options": ["key"]}, "must be a dict")],
+)
+def test_bad_types_are_refused_when_the_strategy_is_made(kwargs, pattern):
+    with pytest.raises(TypeError, match=pattern):
+        StageSafeDeepSpeedStrategy(**kwargs)
+
+
+def test_good_arguments_are_kept():
+    strategy = StageSafeDeepSpeedStrategy(stage=3, between_stages="meta", max_shard_size="2GiB", wait_for_write=True)
+    assert (strategy.between_stages, strategy.max_shard_size, strategy.wait_for_write) == ("meta", "2GiB", True)

@@ -18,6 +18,7 @@ from typing import Any
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 
 __all__ = [
+    "DEFAULT_MAX_SHARD_SIZE",
     "FORMAT",
     "INDEX_NAME",
     "MANIFEST_NAME",
@@ -31,11 +32,13 @@ __all__ = [
     "plan_shards",
     "shard_file_names",
     "shard_names",
+    "tag_for",
     "temp_name",
     "validate_manifest",
 ]
 
 FORMAT = "stagesafe/1"
+DEFAULT_MAX_SHARD_SIZE = "1GB"  # one default for the strategy, save_state_dict and the CLI
 INDEX_NAME = "model.safetensors.index.json"  # the name Hugging Face loaders look for
 MANIFEST_NAME = "stagesafe.json"  # written last: its presence and content define the committed handoff
 
@@ -131,20 +134,19 @@ def plan_shards(entries: Iterable[tuple[str, int]], max_shard_size: int) -> list
     return shards
 
 
-def shard_file_names(n: int, *, taken: Iterable[str] = (), tag: str | None = None) -> list[str]:
-    """Hugging Face shard names for ``n`` shards, avoiding every name in ``taken``.
+def shard_file_names(n: int, *, tag: str | None = None, taken: Iterable[str] = ()) -> list[str]:
+    """Hugging Face shard names for ``n`` shards of one commit: ``model-<tag>-00001-of-0000N.safetensors``.
 
-    ``taken`` holds the files of the committed handoff. If a plain name ``model-00001-of-0000N.safetensors``
-    is among them, all names get a generation tag, ``model-<8 hex>-00001-of-0000N.safetensors``, so that a new
-    handoff never overwrites a file that readers of the committed one may be reading. ``tag`` fixes the tag
-    (ranks writing shards of one handoff must agree on it); by default a random one is drawn.
+    Every commit gets a tag of its own, so that no writer ever replaces a file that the committed handoff, or
+    another writer's commit in progress, uses: two writers of one folder cannot mix their shards, and readers
+    of the committed handoff keep reading it while the next one is written. ``tag`` (8 hex digits) fixes it
+    (ranks writing shards of one handoff must agree on it); by default a random one is drawn, avoiding the
+    names in ``taken``. Readers find the names in the index and the manifest; older handoffs' plain names
+    (``model-00001-of-0000N.safetensors``) still read.
     """
-    taken = set(taken)
-    plain = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    if taken.isdisjoint(plain):
-        return plain
     if tag is not None and not _TAG_RE.fullmatch(tag):
         raise InvalidArgumentError(f"tag={tag!r} must be 8 lower-case hex digits, e.g. {secrets.token_hex(4)!r}")
+    taken = set(taken)
     while True:
         chosen = tag if tag is not None else secrets.token_hex(4)
         names = [f"model-{chosen}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
@@ -152,6 +154,11 @@ def shard_file_names(n: int, *, taken: Iterable[str] = (), tag: str | None = Non
             return names
         if tag is not None:
             raise InvalidArgumentError(f"tag={tag!r} is used by the committed handoff's files; pick another tag")
+
+
+def tag_for(key: str) -> str:
+    """The shard-name tag every rank derives alike from a write's ``key``."""
+    return hashlib.sha256(key.encode()).hexdigest()[:8]
 
 
 def is_shard_name(name: str) -> bool:

@@ -37,7 +37,6 @@ import fsspec
 import safetensors
 import torch
 
-from stagesafe.lightning import inflight as _inflight
 
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
@@ -73,11 +72,15 @@ __all__ = [
     "save_streamed",
     "RetryPolicy",
     "ShardRecord",
+    "Commit",
     "commit",
+    "commit_handoff",
+    "delete_shards",
     "live_files",
     "load_state_dict",
     "plan_handoff",
     "read_manifest",
+    "remove_replaced",
     "remove_stale",
     "save_state_dict",
     "verify",
@@ -94,6 +97,9 @@ _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
 _REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
 _REMOVERS = 8  # stale files deleted at once
 _UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"
+_READ_ROUNDS = 3  # reads started over because a writer replaced the handoff meanwhile
+_INDEX_ROUNDS = 5  # looks at the index after a commit; each more is needed only while other writers commit
+ORPHAN_AGE = 6 * 3600.0  # seconds: uncommitted shards and temporary files older than this are leftovers
 T = TypeVar("T")
 
 
@@ -145,10 +151,11 @@ def plan_handoff(
     taken: Iterable[str] = (),
     tag: str | None = None,
 ) -> HandoffPlan:
-    """Plan the shards of ``state_dict``, with file names that avoid ``taken`` (see :func:`live_files`).
+    """Plan the shards of ``state_dict``, under file names of this commit's own (``tag``, or a random one that
+    avoids the names in ``taken``).
 
     Names that are the very same tensor view (tied weights) are stored once, under the first name; the others
-    become aliases. ``tag`` fixes the generation tag when one is needed, so that several ranks plan alike.
+    become aliases. ``tag`` fixes the names' tag, so that several ranks plan alike.
     """
     limit = parse_size(max_shard_size)
     if not isinstance(state_dict, Mapping):
@@ -253,6 +260,14 @@ def _write_shard(
     return ShardRecord(sha256=digests[-1], size=size)
 
 
+@dataclass(frozen=True)
+class Commit:
+    """A committed handoff: its manifest, and the shard files of the handoff it replaced (now unused)."""
+
+    manifest: dict[str, Any]
+    replaced: frozenset[str]
+
+
 def commit(
     fs: fsspec.AbstractFileSystem,
     root: str,
@@ -263,12 +278,32 @@ def commit(
     retry: RetryPolicy | None = None,
     remove_stale_files: bool = True,
 ) -> dict[str, Any]:
-    """Publish a handoff whose shards are all written: index, then manifest, then delete what is stale.
+    """Publish a handoff whose shards are all written; return its manifest. See :func:`commit_handoff`.
 
-    Stale: shard files the new manifest does not use (the previous generation, or an interrupted writer's) and
-    temporary files of killed writers. Returns the manifest. If writing the index or the manifest fails, the
-    new shards stay where they are (the manifest may have reached the store); the next save deletes them.
-    ``remove_stale_files=False`` leaves that to the caller (:func:`remove_stale`), once the handoff is durable.
+    ``remove_stale_files=False`` keeps the replaced handoff's files, for a caller that deletes them later
+    with :func:`remove_replaced` (it then calls :func:`commit_handoff` to learn which they are).
+    """
+    done = commit_handoff(fs, root, plan, shard_records, metadata=metadata, retry=retry)
+    if remove_stale_files:
+        remove_replaced(fs, root, done)
+    return done.manifest
+
+
+def commit_handoff(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    shard_records: Mapping[str, ShardRecord],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> Commit:
+    """Publish a handoff whose shards are all written: the index, then the manifest (the commit), then the
+    index again if another writer's commit got in between, so that the two always end up agreeing.
+
+    Deletes nothing: the files of the handoff it replaced are in the returned :class:`Commit`, for
+    :func:`remove_replaced`. If writing the index or the manifest fails, the new shards stay where they are
+    (the manifest may have reached the store); a later save deletes them once they are old.
     """
     retry = _check_retry(retry)
     url = url_of(fs, root)
@@ -290,14 +325,8 @@ def commit(
         created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
     )
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
-    index = (json.dumps(build_index(plan.weight_map, plan.total_size), indent=2, sort_keys=True) + "\n").encode()
-    _transfer(
-        lambda: write_atomic(fs, join(root, INDEX_NAME), index),
-        what=f"write {INDEX_NAME} to {url!r}",
-        retry=retry,
-        hint=_UNCHANGED,
-        writing=True,
-    )
+    _write_index(fs, root, manifest, retry)
+    replaced = _committed_shards(fs, root, retry)
     text = (json.dumps(manifest, indent=2) + "\n").encode()
     _transfer(
         lambda: write_atomic(fs, join(root, MANIFEST_NAME), text),
@@ -308,39 +337,39 @@ def commit(
         writing=True,
     )
     fsync_dir(fs, root)
-    if remove_stale_files:
-        _remove_stale(fs, root, keep=set(manifest["shards"]))
-    return manifest
+    try:
+        _index_follows_the_manifest(fs, root, retry)
+    except Exception as exc:  # noqa: BLE001 - committed: a stale index is repaired by the next save
+        log.warning("stagesafe: committed %s, but could not check its %s (%s)", url, INDEX_NAME, exc)
+    return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])))
 
 
-def remove_stale(uri: str, manifest: Mapping[str, Any], *, storage_options: dict[str, Any] | None = None) -> None:
-    """Delete the files at ``uri`` that its committed ``manifest`` does not use: the previous handoff's shards
-    and killed writers' temporary files. Best effort, like the deletion :func:`commit` does itself: a failure
-    is logged, never raised, since the handoff is already committed."""
+def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> None:
+    """After a commit: delete the shards of the handoff it replaced, and the files killed or failed writers
+    left behind once they are older than :data:`ORPHAN_AGE` seconds (younger ones may belong to another
+    writer's commit in progress). Best effort: a failure is logged, never raised, since the handoff is
+    committed."""
+    try:
+        _remove_files(fs, root, done.replaced)
+        _remove_orphans(fs, root)
+    except Exception as exc:  # noqa: BLE001 - any storage client's error
+        log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", url_of(fs, root), exc)
+
+
+def remove_stale(uri: str, *, storage_options: dict[str, Any] | None = None, older_than: float | None = None) -> None:
+    """Delete what writers left behind at ``uri`` and no committed handoff uses: shards of interrupted or
+    failed saves and temporary files, once older than ``older_than`` seconds (default :data:`ORPHAN_AGE`).
+    Best effort: a failure is logged, never raised."""
     try:
         fs, root = resolve(uri, storage_options)
+        _remove_orphans(fs, root, older_than=ORPHAN_AGE if older_than is None else older_than)
     except Exception as exc:  # noqa: BLE001 - any storage client's error
-        log.warning("stagesafe: could not open %s to delete stale files (%s); the next save retries", uri, exc)
-        return
-    _remove_stale(fs, root, keep=set(manifest["shards"]))
+        log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", uri, exc)
 
 
 def live_files(fs: fsspec.AbstractFileSystem, root: str, *, retry: RetryPolicy | None = None) -> set[str]:
-    """Files the committed handoff at ``root`` uses, which a new handoff must not overwrite.
-
-    If the manifest cannot be read, every file present counts as live: better a tagged name than a clobbered file.
-    """
-    retry = _check_retry(retry)
-    url = url_of(fs, root)
-    try:
-        manifest = _transfer(
-            lambda: _read_manifest(fs, root, explain=False), what=f"read {url}/{MANIFEST_NAME}", retry=retry
-        )
-        return set(manifest["shards"])
-    except HandoffNotFoundError:
-        return set()
-    except HandoffCorruptError:
-        return set(_transfer(lambda: list_files(fs, root), what=f"list {url!r}", retry=retry))
+    """Files the committed handoff at ``root`` uses (none if there is none, or it cannot be read)."""
+    return _committed_shards(fs, root, _check_retry(retry))
 
 
 def save_state_dict(
@@ -353,7 +382,6 @@ def save_state_dict(
     overwrite: bool = True,
     workers: int | None = None,
     retry: RetryPolicy | None = None,
-    remove_stale_files: bool = True,
 ) -> dict[str, Any]:
     """Save ``state_dict`` as a handoff at ``uri``, replacing the one there atomically; return the manifest.
 
@@ -361,9 +389,9 @@ def save_state_dict(
     ``workers`` shards are built and uploaded at a time (default: 4 on a remote filesystem, 1 on a local disk),
     so about that many shards' bytes are in memory at once. Every storage operation is tried again on transient
     errors as ``retry`` says (default :class:`RetryPolicy`); if one still fails, ``StorageTransferError`` names
-    it, the shards this call wrote are deleted and the handoff committed before is unchanged.
-    ``remove_stale_files=False``: the replaced handoff's files stay until :func:`remove_stale` (deleting a few
-    GB from a local disk takes about 0.2 s per GB of the kernel's time, which need not delay the commit).
+    it, the shards this call wrote are deleted and the handoff committed before is unchanged. Two processes
+    saving to one ``uri`` at once never mix their files: the last commit wins whole, and neither deletes the
+    other's shards.
     """
     fs, root = resolve(uri, storage_options)
     metadata = check_metadata(metadata)  # before anything is written
@@ -380,7 +408,7 @@ def save_state_dict(
             )
     plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
     records = _write_shards(fs, root, plan, workers=workers, retry=retry)
-    return commit(fs, root, plan, records, metadata=metadata, retry=retry, remove_stale_files=remove_stale_files)
+    return commit(fs, root, plan, records, metadata=metadata, retry=retry)
 
 
 def save_streamed(
@@ -434,14 +462,36 @@ def check_writable(
     """Fail now rather than after a stage: write and delete a small temporary file under ``uri`` (a path that
     cannot be created, missing credentials or permissions, no such bucket)."""
     fs, root = resolve(uri, storage_options)
-    path = join(root, temp_name(MANIFEST_NAME))  # a name the store's own cleanup removes, should this be left
+    name = temp_name(MANIFEST_NAME)  # a name the store's own cleanup removes, should this be left
+    write_probe(fs, root, name, b"{}", retry=retry)
+    _remove(fs, join(root, name))
+
+
+def write_probe(
+    fs: fsspec.AbstractFileSystem, root: str, name: str, data: bytes, *, retry: RetryPolicy | None = None
+) -> None:
+    """Write a small file ``name`` under ``root``, with the store's errors for a folder that cannot be written."""
     _transfer(
-        lambda: write_atomic(fs, path, b"{}"),
+        lambda: write_atomic(fs, join(root, name), data),
         what=f"write to {url_of(fs, root)!r}",
         retry=_check_retry(retry),
         hint=_UNCHANGED,
         writing=True,
     )
+
+
+def read_small(fs: fsspec.AbstractFileSystem, path: str, *, limit: int = 4096) -> bytes | None:
+    """The bytes of a small file, or None when it is missing, larger than ``limit`` or unreadable."""
+    try:
+        with fs.open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except Exception:  # noqa: BLE001 - any storage client's error means: not seen
+        return None
+    return data if len(data) <= limit else None
+
+
+def remove_file(fs: fsspec.AbstractFileSystem, path: str) -> None:
+    """Delete one file, best effort (a leftover is deleted by a later save once it is old)."""
     _remove(fs, path)
 
 
@@ -450,7 +500,6 @@ def read_manifest(
 ) -> dict[str, Any]:
     """The manifest of the committed handoff at ``uri`` (validated, shards not checked)."""
     fs, root = resolve(uri, storage_options)
-    _inflight.wait_for(url_of(fs, root))
     return _fetch_manifest(fs, root, _check_retry(retry))
 
 
@@ -477,21 +526,34 @@ def load_state_dict(
     device = torch.device(device)
     if not isinstance(verify, bool):
         raise InvalidArgumentError(f"verify={verify!r} must be True or False")
-    _inflight.wait_for(url_of(fs, root))
     manifest = _fetch_manifest(fs, root, retry)
-    for _ in range(3):
+    return _while_unchanged(
+        fs, root, manifest, retry, lambda m: _load(fs, root, m, device, workers=workers, retry=retry, verify=verify)
+    )
+
+
+def _while_unchanged(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    manifest: dict[str, Any],
+    retry: RetryPolicy,
+    read: Callable[[dict[str, Any]], T],
+) -> T:
+    """``read(manifest)``, started over from the new manifest when a writer replaced the handoff meanwhile
+    (and deleted the shards being read): only a handoff that stays committed while it is read is damaged."""
+    for _ in range(_READ_ROUNDS):
         try:
-            return _load(fs, root, manifest, device, workers=workers, retry=retry, verify=verify)
+            return read(manifest)
         except (_ShardVanished, HandoffCorruptError) as exc:
-            # A writer may have committed a new handoff and deleted or reused this one's shard names while we
-            # read: start over from the new manifest. If the manifest is unchanged, the shard is really lost.
             newer = _fetch_manifest(fs, root, retry)
             if newer == manifest:
                 if isinstance(exc, _ShardVanished):
                     raise HandoffCorruptError(str(exc)) from None
                 raise
             manifest = newer
-    raise HandoffCorruptError(f"{url_of(fs, root)!r} was replaced three times while being read; load it again later")
+    raise HandoffCorruptError(
+        f"{url_of(fs, root)!r} was replaced {_READ_ROUNDS} times while being read; read it again later"
+    )
 
 
 def verify(
@@ -510,9 +572,14 @@ def verify(
     workers = _check_workers(workers, fs)
     retry = _check_retry(retry)
     fs.invalidate_cache(root)  # sizes must come from the store, not from a listing cached before a write
-    url = url_of(fs, root)
-    _inflight.wait_for(url)
     manifest = _fetch_manifest(fs, root, retry)
+    return _while_unchanged(fs, root, manifest, retry, lambda m: _verify(fs, root, m, workers=workers, retry=retry))
+
+
+def _verify(
+    fs: fsspec.AbstractFileSystem, root: str, manifest: dict[str, Any], *, workers: int, retry: RetryPolicy
+) -> dict[str, Any]:
+    url = url_of(fs, root)
     by_shard = shard_names(manifest["weight_map"], list(manifest["shards"]))
 
     def check(file_name: str, stop: threading.Event) -> None:
@@ -523,7 +590,7 @@ def verify(
             _check_bytes(url, file_name, rec, size, None)
             digest, header = _transfer(lambda: _hash_file(fs, path, size), what=what, retry=retry, stop=stop)
         except FileNotFoundError:
-            raise HandoffCorruptError(_missing_message(url, file_name)) from None
+            raise _ShardVanished(_missing_message(url, file_name)) from None
         _check_bytes(url, file_name, rec, size, digest)
         try:
             entries = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
@@ -1048,7 +1115,6 @@ class HandoffReader(Mapping):
     ) -> None:
         self._retry = _check_retry(retry)
         self._fs, self._root = resolve(uri, storage_options)
-        _inflight.wait_for(url_of(self._fs, self._root))
         self.manifest = _fetch_manifest(self._fs, self._root, self._retry)
         self._cached: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
 
@@ -1059,9 +1125,12 @@ class HandoffReader(Mapping):
         file_name = self.manifest["weight_map"][stored]
         if self._cached[0] != file_name:
             self._cached = (None, {})  # drop the previous shard before reading the next
-            tensors = _read_shard(
-                self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry
-            )
+            try:
+                tensors = _read_shard(
+                    self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry
+                )
+            except _ShardVanished as exc:
+                raise HandoffCorruptError(f"{exc} (or a writer replaced the handoff while it was read)") from None
             self._cached = (file_name, tensors)
         return self._cached[1][stored]
 
@@ -1072,20 +1141,108 @@ class HandoffReader(Mapping):
         return len(self.manifest["tensors"])
 
 
-def _remove_stale(fs: fsspec.AbstractFileSystem, root: str, *, keep: set[str]) -> None:
-    """Best effort, after the commit: a failure here must not fail the save that just succeeded."""
+def _write_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str, Any], retry: RetryPolicy) -> None:
+    index = (json.dumps(build_index(manifest["weight_map"], manifest["total_size"]), indent=2, sort_keys=True) + "\n")
+    _transfer(
+        lambda: write_atomic(fs, join(root, INDEX_NAME), index.encode()),
+        what=f"write {INDEX_NAME} to {url_of(fs, root)!r}",
+        retry=retry,
+        hint=_UNCHANGED,
+        writing=True,
+    )
+
+
+def _committed_shards(fs: fsspec.AbstractFileSystem, root: str, retry: RetryPolicy) -> set[str]:
+    """The shard files of the committed handoff at ``root``; none if there is none or it cannot be read (its
+    files are then left to the age rule of :func:`_remove_orphans`)."""
     try:
-        names = list_files(fs, root)
-    except Exception as exc:  # noqa: BLE001 - any storage client's error
-        log.warning("stagesafe: could not list %s to delete stale files (%s); the next save retries", root, exc)
+        manifest = _transfer(
+            lambda: _read_manifest(fs, root, explain=False), what=f"read {url_of(fs, root)}/{MANIFEST_NAME}", retry=retry
+        )
+    except (HandoffNotFoundError, HandoffCorruptError):
+        return set()
+    return set(manifest["shards"])
+
+
+def _index_follows_the_manifest(fs: fsspec.AbstractFileSystem, root: str, retry: RetryPolicy) -> None:
+    """Make the index describe the committed manifest, whichever writer committed last.
+
+    Each writer writes its index before its manifest; with two writers at once, the last index written may
+    belong to the commit that lost. After its own commit, a writer looks again, and rewrites the index from
+    the manifest it finds until the two agree: the last writer to look always sees the last commit.
+    """
+    for _ in range(_INDEX_ROUNDS):
+        try:
+            manifest = _read_manifest(fs, root, explain=False)
+        except (HandoffNotFoundError, HandoffCorruptError):
+            return
+        try:
+            index = json.loads(fs.cat_file(join(root, INDEX_NAME)))
+            if index.get("weight_map") == manifest["weight_map"]:
+                return
+        except (OSError, ValueError, AttributeError):
+            pass  # missing or unreadable: written below
+        _write_index(fs, root, manifest, retry)
+
+
+def _file_age(entry: Mapping[str, Any], now: datetime) -> float | None:
+    """Seconds since a listed file was last written, from whichever field the filesystem reports; None if
+    it reports none (such a file is never taken for a leftover)."""
+    for key in ("mtime", "LastModified", "last_modified", "updated", "modified", "created"):
+        value = entry.get(key)
+        if value is None:
+            continue
+        if isinstance(value, (int, float)):
+            return now.timestamp() - float(value)
+        if isinstance(value, str):
+            try:
+                value = datetime.fromisoformat(value.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+        if isinstance(value, datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=timezone.utc)
+            return (now - value).total_seconds()
+    return None
+
+
+def _remove_orphans(fs: fsspec.AbstractFileSystem, root: str, *, older_than: float | None = None) -> None:
+    """Delete shard and temporary files that the committed handoff does not use and that are older than
+    ``older_than`` seconds: what killed or failed writers left. Younger ones may be another writer's commit
+    in progress, and are left for a later save."""
+    limit = ORPHAN_AGE if older_than is None else older_than
+    fs.invalidate_cache(root)
+    try:
+        entries = fs.ls(root, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
         return
-    stale = [join(root, n) for n in names if (is_shard_name(n) and n not in keep) or is_temp_name(n)]
-    if not stale:
+    keep = _committed_shards(fs, root, RetryPolicy(attempts=1))
+    now = datetime.now(timezone.utc)
+    old = []
+    for entry in entries:
+        name = basename(entry["name"])
+        if entry.get("type") != "file" or name in keep or not (is_shard_name(name) or is_temp_name(name)):
+            continue
+        age = _file_age(entry, now)
+        if age is not None and age >= limit:
+            old.append(name)
+    _remove_files(fs, root, old)
+
+
+def delete_shards(fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str]) -> None:
+    """Delete the shard files ``names`` of a write that failed before its commit (best effort: a file left
+    over is deleted by a later save once it is old)."""
+    _remove_files(fs, root, names)
+
+
+def _remove_files(fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str]) -> None:
+    """Several at once, for object stores, where each delete is a round trip (on a local disk, freeing the
+    files' cached pages takes the kernel about as long either way)."""
+    paths = [join(root, n) for n in names]
+    if not paths:
         return
-    # several at once, for object stores, where each delete is a round trip (on a local disk, freeing the
-    # files' cached pages takes the kernel about as long either way)
-    with concurrent.futures.ThreadPoolExecutor(min(len(stale), _REMOVERS), thread_name_prefix="stagesafe-rm") as pool:
-        list(pool.map(lambda path: _remove(fs, path), stale))
+    with concurrent.futures.ThreadPoolExecutor(min(len(paths), _REMOVERS), thread_name_prefix="stagesafe-rm") as pool:
+        list(pool.map(lambda path: _remove(fs, path), paths))
 
 
 def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:

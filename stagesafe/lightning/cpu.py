@@ -3,8 +3,10 @@
 Lightning's DeepSpeedStrategy refuses ``accelerator="cpu"`` in three places although DeepSpeed ZeRO runs on
 CPU: a CUDA check in ``setup_environment``, the device-index check in ``setup_distributed`` (a CPU device has
 no index) and ``device_rank=None`` reaching ``DeepSpeedEngine``. Giving each process the device ``cpu:<local
-rank>`` satisfies the last two; this class skips the first and selects DeepSpeed's CPU accelerator. It adds
-nothing else, so it is also the "stock" baseline the test suite compares against.
+rank>`` satisfies the last two; this class lifts the first when the user asked for DeepSpeed's CPU
+accelerator with ``DS_ACCELERATOR=cpu`` (DeepSpeed's own switch), and otherwise refuses as Lightning does. It
+changes nothing else, the process environment included, so it is also the "stock" baseline the test suite
+compares against.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from typing_extensions import override
 
-__all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator"]
+__all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_requested"]
+
+_HINT = (
+    "; to run DeepSpeed on CPU processes (gloo), as stagesafe's strategy can, set DS_ACCELERATOR=cpu in the "
+    "environment before starting the script"
+)
+
+
+def cpu_requested() -> bool:
+    """The user asked DeepSpeed for its CPU accelerator."""
+    return os.environ.get("DS_ACCELERATOR") == "cpu"
 
 
 def use_deepspeed_cpu_accelerator() -> None:
     """Make DeepSpeed run its kernels and collectives on the CPU (gloo), whatever it detected before."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
     if get_accelerator().device_name() != "cpu":
@@ -31,12 +42,18 @@ def use_deepspeed_cpu_accelerator() -> None:
 
 
 class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
-    """Lightning's DeepSpeedStrategy, unchanged except that ``accelerator="cpu"`` works."""
+    """Lightning's DeepSpeedStrategy, unchanged except that ``accelerator="cpu"`` works with DS_ACCELERATOR=cpu."""
 
     @override
     def setup_environment(self) -> None:
         if not isinstance(self.accelerator, CPUAccelerator):
             super().setup_environment()
+            return
+        if not cpu_requested():
+            try:
+                super().setup_environment()  # Lightning's refusal of the CPU
+            except RuntimeError as exc:
+                raise RuntimeError(f"{exc}{_HINT}") from None
             return
         use_deepspeed_cpu_accelerator()
         assert self.parallel_devices is not None

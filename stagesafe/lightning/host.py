@@ -3,8 +3,8 @@
 On an H200 host, copying a GPU tensor to fresh pageable memory runs at 1.4 GB/s per rank (page faults),
 to resident pageable memory at 10 GB/s, and to page-locked memory at 54 GB/s, the bus's speed
 (``benchmarks/profile_host_copy.py``). So the tensors a stage's end copies into are allocated, touched and
-page-locked in place (``cudaHostRegister``) by a background thread during the stage, and unlocked in a thread
-once the Trainer call has returned: the end of a stage then pays for the copy alone.
+page-locked in place (``cudaHostRegister``) by a background thread during the stage, and unlocked by the
+handoff writer once the Trainer call has returned: the end of a stage then pays for the copy alone.
 """
 
 from __future__ import annotations
@@ -16,13 +16,10 @@ from typing import Iterable, Mapping
 
 import torch
 
-__all__ = ["HostBuffers", "start_deferred_unlocks"]
+__all__ = ["HostBuffers"]
 
 log = logging.getLogger(__name__)
 
-_UNLOCKING: list[threading.Thread] = []  # unlocks still running; the next lock of the same memory waits for them
-_DEFERRED: list[tuple["HostBuffers", list[torch.Tensor]]] = []  # unlocks to start once the Trainer call returns
-_DEFERRED_LOCK = threading.Lock()
 _MIN_LOCK_BYTES = 32 << 20  # smaller allocations may share pages with others; locking them gains little
 _TOUCH_CHUNK = 64 << 20
 _REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
@@ -32,7 +29,8 @@ class HostBuffers:
     """Host tensors for a stage's end: ``existing`` ones (written in place) and ``fresh`` ones allocated here.
 
     ``lock_on``: the CUDA device whose copies will fill them, or ``None`` (a CPU run: nothing to lock).
-    Everything happens in a thread; :meth:`ready` joins it. Call :meth:`unlock` before the tensors are freed.
+    Everything happens in a thread; :meth:`ready` joins it. Call :meth:`unlock` before the tensors are freed,
+    and before the same memory is locked again.
     """
 
     def __init__(
@@ -66,25 +64,7 @@ class HostBuffers:
                 if self._locked.pop(ptr, None) is not None:
                     torch.cuda.cudart().cudaHostUnregister(ptr)
 
-    def unlock_in_background(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Unlock ``tensors`` in a thread, which holds them until they are unlocked (unlocking 5 GB takes
-        about 0.2 s that the end of a stage need not wait for); the memory is usable meanwhile."""
-        held = list(tensors)
-        thread = threading.Thread(target=self.unlock, args=(held,), name="stagesafe-host-unlock", daemon=False)
-        thread.start()
-        _UNLOCKING[:] = [t for t in _UNLOCKING if t.is_alive()] + [thread]
-
-    def unlock_after_return(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Unlock ``tensors`` in a thread once the Trainer call has returned (:func:`start_deferred_unlocks`).
-        Unlocking holds the CUDA driver's lock, about 0.2 s per 5 GB, and would stall every CUDA call of
-        Lightning's teardown (emptying the cache, moving metrics to the CPU) behind it."""
-        with _DEFERRED_LOCK:
-            _DEFERRED.append((self, list(tensors)))
-
     def _prepare(self, fresh: dict[str, tuple[torch.Size, torch.dtype]], lock_on: torch.device | None) -> None:
-        start_deferred_unlocks()  # the call that left them locked ended without reaching its last hook
-        for thread in list(_UNLOCKING):
-            thread.join()  # memory still being unlocked from the last stage cannot be locked again yet
         try:
             if lock_on is not None:
                 torch.cuda.set_device(lock_on)  # before any CUDA call: no context on another rank's GPU
@@ -110,14 +90,6 @@ class HostBuffers:
                     )
         except Exception as exc:  # noqa: BLE001 - only speed is at stake: copies fall back to plain memory
             log.warning("stagesafe: preparing host memory for the end of the stage failed (%s); continuing", exc)
-
-
-def start_deferred_unlocks() -> None:
-    """Start the unlocks :meth:`HostBuffers.unlock_after_return` put off (the Trainer call has returned)."""
-    with _DEFERRED_LOCK:
-        pending, _DEFERRED[:] = list(_DEFERRED), []
-    for buffers, tensors in pending:
-        buffers.unlock_in_background(tensors)
 
 
 def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -1,14 +1,18 @@
 """``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
 
-Thin glue: each override hands the work to :mod:`stagesafe.lightning.boundary`, which knows nothing of Lightning.
+Thin glue: each override hands the work to :mod:`stagesafe.lightning.boundary` (one call's passage), the
+strategy's :class:`~stagesafe.lightning.writer.HandoffWriter` (the background write of the handoff) and
+:mod:`stagesafe.lightning.agree` (the ranks agreeing through the job's key-value store).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import logging
 import os
+from collections.abc import Generator
 from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
@@ -20,40 +24,50 @@ from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
 from typing_extensions import override
 
-from stagesafe.zero import engine as _zero
+from stagesafe.errors import DistributedStageError, InvalidArgumentError
+from stagesafe.handoff.fs import resolve
+from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
+from stagesafe.lightning.agree import Ending, JobChannel, agree_on_ending
+from stagesafe.lightning.boundary import BoundaryReport, StageBoundary
 from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy
-from stagesafe.lightning.boundary import BoundaryReport, HandoffTarget, StageBoundary
+from stagesafe.lightning.history import HandoffTarget, history_of
+from stagesafe.lightning.location import Location, agree_on_location
+from stagesafe.lightning.writer import HandoffWriter
+from stagesafe.zero import engine as zero
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_HANDOFF_DIR = "stagesafe_handoff"
+_FAILURE_GRACE = 60.0  # seconds a rank whose call failed waits for the others before it keeps its own weights
+_BETWEEN_STAGES = ("cpu", "meta")
 
 
 class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     """DeepSpeed (ZeRO 1, 2 or 3) for any sequence of ``fit``/``validate``/``test``/``predict`` on one module.
 
-    At the end of every Trainer call the weights are consolidated, written as safetensors to ``handoff_uri``,
-    the engine is destroyed and the module gets plain tensors back in its original dtype and device. Takes
-    every argument of :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
+    At the end of every Trainer call the weights are consolidated, the engine is destroyed and the module gets
+    plain tensors back in its original dtype and device; the handoff (safetensors at ``handoff_uri``) is
+    written when it does not hold those weights yet. Takes every argument of
+    :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`, plus:
 
     Args:
         handoff_uri: fsspec URL of the handoff folder; default ``<default_root_dir>/stagesafe_handoff``.
-        storage_options: passed to fsspec for ``handoff_uri`` (credentials, endpoint, ...).
-        max_shard_size: largest safetensors shard, e.g. ``"5GB"`` or a byte count. Smaller shards are hashed
+        storage_options: passed to fsspec for ``handoff_uri`` and ``resume_from`` (credentials, endpoint, ...).
+        max_shard_size: largest safetensors shard, e.g. ``"1GB"`` or a byte count. Smaller shards are hashed
             and written in parallel.
         resume_from: fsspec URL of a handoff (from an earlier job, any world size) whose weights a module
-            takes before its first stage under stagesafe; read with ``storage_options``.
-        restore: ``"cpu"`` (default): after each stage the module holds real tensors. ``"meta"``: it holds meta
-            tensors (no host memory); the next stage's engine is built from the handoff one submodule at a time,
-            and a trained stage's weights are gathered and written one tensor at a time (ZeRO-3 only).
-            ``stagesafe.restore(module, uri)`` materialises the module on demand.
+            takes before its first stage under stagesafe.
+        between_stages: ``"cpu"`` (default): after each stage the module holds real tensors. ``"meta"``: it
+            holds meta tensors (no host memory); the next stage's engine is built from the handoff one
+            submodule at a time, and a trained stage's weights are gathered and written one tensor at a time
+            (ZeRO-3 only). ``stagesafe.restore(module, uri)`` materialises the module on demand.
         wait_for_write: ``False`` (default): a Trainer call returns as soon as the module holds its weights;
-            the handoff's durable write goes on in the background (each rank writes its share of the shards,
-            from private copies) and is joined by the next stage, by :meth:`wait_for_handoff`, or at
-            interpreter exit. Readers of the handoff in this process wait for it. ``True``: each call returns
-            once its handoff is committed.
+            the handoff is written in the background (each rank writes its share of the shards, from private
+            copies) and joined by the next stage, by :meth:`wait_for_handoff`, or at interpreter exit (which
+            then fails the process if the write fails). ``True``: each call returns once its handoff is
+            committed.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -63,63 +77,107 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         *args: Any,
         handoff_uri: Optional[str] = None,
         storage_options: Optional[Mapping[str, Any]] = None,
-        max_shard_size: Union[int, str] = "1GB",
+        max_shard_size: Union[int, str] = DEFAULT_MAX_SHARD_SIZE,
         resume_from: Optional[str] = None,
-        restore: str = "cpu",
+        between_stages: str = "cpu",
         wait_for_write: bool = False,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
-        for name, value in (("handoff_uri", handoff_uri), ("resume_from", resume_from)):
-            if value is not None and not isinstance(value, (str, os.PathLike)):
-                raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
-        self.handoff_uri = None if handoff_uri is None else os.fspath(handoff_uri)
-        self.resume_from = None if resume_from is None else os.fspath(resume_from)
-        if restore not in ("cpu", "meta"):
-            raise ValueError(f"restore={restore!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)")
-        if restore == "meta" and isinstance(self.config, dict) and not self.zero_stage_3:
-            raise ValueError(
-                "restore='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every rank, so an "
-                "engine cannot be built from the handoff one submodule at a time; use restore='cpu'"
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
+        self.storage_options = dict(storage_options or {})
+        self.handoff_uri = _checked_url("handoff_uri", handoff_uri, self.storage_options)
+        self.resume_from = _checked_url("resume_from", resume_from, self.storage_options)
+        parse_size(max_shard_size)
+        self.max_shard_size = max_shard_size
+        if between_stages not in _BETWEEN_STAGES:
+            raise InvalidArgumentError(
+                f"between_stages={between_stages!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)"
             )
-        self.restore_mode = restore
+        if between_stages == "meta" and isinstance(self.config, dict) and not self.zero_stage_3:
+            raise InvalidArgumentError(
+                "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
+                "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
+            )
+        self.between_stages = between_stages
         if not isinstance(wait_for_write, bool):
             raise TypeError(f"wait_for_write must be True or False, got {wait_for_write!r}")
         self.wait_for_write = wait_for_write
-        self.storage_options = dict(storage_options or {})
-        self.max_shard_size = max_shard_size
-        self._boundary: Optional[StageBoundary] = None
-        self._publishing: Optional[StageBoundary] = None
-        self.last_boundary: Optional[BoundaryReport] = None
+        self._writer: HandoffWriter | None = None
+        self._location: tuple[str, Location] | None = None
+        self._boundary: StageBoundary | None = None
+        self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
+        self._calls = 0
+        self._last_ending: Ending | None = None  # a call that some rank left elsewhere: meet before the next
+        self._failed_ranks: list[int] | None = None  # ranks of such a call: later collectives may fail
+        self.last_boundary: BoundaryReport | None = None
 
     # -- entering a stage -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    @override
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        """Lightning's, which builds ``configure_model``'s layers under ``zero.Init``, noting which parameters
+        were built there: partitioned by design, not left over from an earlier engine."""
+        module = self.lightning_module
+        before = {id(p) for p in module.parameters()} if module is not None else set()
+        with super().model_sharded_context():
+            yield
+        if module is not None:
+            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and hasattr(p, "ds_id")}
+
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
         module = self.lightning_module
         assert module is not None
-        meta = self.restore_mode == "meta"
+        target = self._handoff_target(trainer)
+        writer = self._writer_for(target)
+        self._calls += 1
+        stage = trainer.state.fn.value
+        writer.check(f"entering {stage}")  # a failed background write is raised here, on every rank
+        meta = self.between_stages == "meta"
         boundary = StageBoundary(
             module,
-            self._handoff_target(trainer),
-            trainer.state.fn.value,
+            target,
+            stage,
+            writer=writer,
             meta=meta,
             materialize=self._partition_from_handoff if meta else None,
             training=trainer.state.fn == TrainerFn.FITTING,
             device=self.root_device,
-            background=not self.wait_for_write,
-            single_node=self.num_nodes == 1,
+            fresh=self._fresh,
         )
+        self._fresh = set()
         resume = None
         if self.resume_from is not None:
             resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
-        boundary.enter(self._metadata(trainer), resume_from=resume)  # refuses a stale module before changing it
+        boundary.enter(resume_from=resume)  # refuses a stale module before changing it
         self._boundary = boundary
-        if not any(isinstance(cb, _WaitForHandoff) for cb in trainer.callbacks):
-            trainer.callbacks.append(_WaitForHandoff())
+        if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
+            trainer.callbacks.append(_StageReturned())
         super().setup(trainer)
-        self._boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
+        boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
+
+    def _writer_for(self, target: HandoffTarget) -> HandoffWriter:
+        """This strategy's writer, made at its first stage once the ranks agree on the handoff folder."""
+        if self._location is not None and self._location[0] == target.uri and self._writer is not None:
+            return self._writer
+        if self._writer is not None and self._writer.pending:
+            self._writer.join()
+        location = agree_on_location(target)
+        if location.writers < self.world_size and self.between_stages == "meta":
+            raise InvalidArgumentError(
+                "between_stages='meta' reads the handoff on every rank, but not every rank sees the handoff folder "
+                f"of rank 0 (each rank's folder: {list(location.folders)}); pass a handoff_uri that every rank "
+                "sees (shared storage or an object store), or use between_stages='cpu'"
+            )
+        self._location = (target.uri, location)
+        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
+        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout)
+        return self._writer
 
     def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
         """Build ZeRO-3 partitions for a meta module from the handoff, in the dtype the engine computes in."""
@@ -127,13 +185,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
         self._init_config_if_needed()
         assert isinstance(self.config, dict)
-        if not self.zero_stage_3:
-            raise ValueError("restore='meta' needs ZeRO stage 3: stages 1 and 2 keep whole weights on every rank")
         enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
         dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
-        _zero.partition_from_values(
-            self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device
-        )
+        zero.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         uri = self.handoff_uri
@@ -142,8 +196,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             uri = root.rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
         return HandoffTarget(uri=uri, storage_options=self.storage_options, max_shard_size=self.max_shard_size)
 
-    def _metadata(self, trainer: "pl.Trainer") -> dict[str, Any]:
+    def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
+        """The stage and step that a stage's new weights come from, for the handoff's metadata."""
         return {
+            "stage": trainer.state.fn.value,
             "global_step": int(trainer.global_step),
             "epoch": int(trainer.current_epoch),
             "world_size": int(self.world_size),
@@ -176,6 +232,58 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         )
         self.model = engine
 
+    # -- collectives ------------------------------------------------------------------------------------------
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self._before_collective()
+        with self._named_if_broken():
+            super().barrier(*args, **kwargs)
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().broadcast(obj, src)
+
+    def _before_collective(self) -> None:
+        """No collective while a writer still needs the device (its copies would queue behind it); after a
+        call that some rank left elsewhere, meet the other ranks through the key-value store first, so that a
+        rank still inside that call meets a clear timeout instead of a mismatched collective."""
+        for writer in self._writers():
+            writer.wait_device()
+        ending, self._last_ending = self._last_ending, None
+        if ending is not None and ending.broken and self._writer is not None:
+            channel = self._writer.channel.sub(f"call-{self._calls}/met")
+            try:
+                channel.exchange("here", "", what="the next Trainer call")
+            except DistributedStageError as exc:
+                raise DistributedStageError(
+                    f"{exc}. The last Trainer call failed on rank(s) {list(ending.failed) or '?'} while other "
+                    "ranks were still inside it; they fail once their collective times out, and the job's process "
+                    f"group cannot be used after that. {_RESTART}"
+                ) from None
+
+    @contextlib.contextmanager
+    def _named_if_broken(self) -> Generator[None, None, None]:
+        try:
+            yield
+        except RuntimeError as exc:  # torch.distributed's errors, DistBackendError among them
+            if self._failed_ranks is None:
+                raise
+            raise DistributedStageError(
+                f"the job's process group is broken ({type(exc).__name__}: {str(exc)[:300]}): an earlier Trainer "
+                f"call failed on rank(s) {self._failed_ranks} while other ranks were still inside it. "
+                f"torch.distributed cannot recover in this process. {_RESTART}"
+            ) from exc
+
+    def _writers(self) -> list[HandoffWriter]:
+        writers = [self._writer] if self._writer is not None else []
+        history = history_of(self.lightning_module) if self.lightning_module is not None else None
+        other = history.writer if history is not None else None
+        if other is not None and other is not self._writer:
+            writers.append(other)
+        return writers
+
     # -- checkpoints ------------------------------------------------------------------------------------------
     @property
     def _fitting(self) -> bool:
@@ -183,7 +291,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     @property
     def _engine_is_live(self) -> bool:
-        return _zero.is_engine(self.model)
+        return zero.is_engine(self.model)
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
@@ -215,9 +323,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         state_dict = checkpoint.get("state_dict")
         if state_dict is None or self._boundary is None:
             return  # DeepSpeed's own load_checkpoint already put the weights (and masters) in the engine
-        fitting = self._fitting
         _check_keys(self.lightning_module, state_dict, strict)
-        self._boundary.checkpoint_loaded(state_dict, self.lightning_module, training=fitting)
+        self._boundary.checkpoint_loaded(state_dict, self.lightning_module, training=self._fitting)
 
     @property
     @override
@@ -230,44 +337,59 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         boundary, self._boundary = self._boundary, None
         try:
             if boundary is not None:
-                engine = self.model if self._engine_is_live else None
-                trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-                trained = trainer is not None and trainer.state.fn == TrainerFn.FITTING
-                metadata = self._metadata(trainer) if trainer is not None else {}
-                # After a failure, publish before raising; otherwise overlap the upload with the rest of
-                # Lightning's teardown and join it in the Trainer's last hook (_WaitForHandoff).
-                background = trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-                try:
-                    self.last_boundary = boundary.exit(
-                        engine, trained=trained, metadata=metadata, background=background
-                    )
-                except Exception as exc:
-                    if trainer is None or trainer.state.status != TrainerStatus.INTERRUPTED:
-                        raise
-                    # The stage already failed: that error is the one to raise, not this consequence of it.
-                    log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
-                    self.last_boundary = boundary.report
-                self.model = boundary.module
-                self.optimizers = []
-                self.lr_scheduler_configs = []
-                self._publishing = boundary
-                if not background:
-                    self.wait_for_handoff()
+                self._leave(boundary)
         finally:
-            super().teardown()
+            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+                self._teardown_without_moving_the_module()
+            else:
+                super().teardown()
             if boundary is not None:
                 boundary.place_meta()
 
+    def _leave(self, boundary: StageBoundary) -> None:
+        engine = self.model if self._engine_is_live else None
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        failed = trainer is None or trainer.state.status != TrainerStatus.RUNNING
+        assert self._writer is not None
+        ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=_FAILURE_GRACE)
+        if ending.broken:
+            self._last_ending, self._failed_ranks = ending, list(ending.failed)
+        try:
+            self.last_boundary = boundary.exit(
+                engine,
+                trained=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
+                weights_from=self._weights_from(trainer) if trainer is not None else {},
+                gather=ending.gather,
+                background=not failed,
+            )
+        except Exception as exc:
+            if not failed:
+                raise
+            # The stage already failed: that error is the one to raise, not this consequence of it.
+            log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
+            self.last_boundary = boundary.report
+        finally:
+            self.model = boundary.module
+            self.optimizers = []
+            self.lr_scheduler_configs = []
+
+    def _teardown_without_moving_the_module(self) -> None:
+        """Lightning's teardown moves the module with ``.cpu()``, which a module of meta tensors refuses; the
+        handoff's own error is the one to raise, so the module is left where it is."""
+        module, self._lightning_module = self._lightning_module, None
+        try:
+            super().teardown()
+        finally:
+            self._lightning_module = module
+
     def wait_for_handoff(self) -> None:
-        """Return once the last stage's handoff is committed (raise its failure on every rank). A collective:
-        call it on every rank, e.g. before another process reads the handoff."""
-        StageBoundary.call_returned()
-        boundary, self._publishing = self._publishing, None
-        if boundary is not None:
-            boundary.wait_published()
-            self._log_boundary(boundary.report, waited=True)
-        elif self.lightning_module is not None:
-            StageBoundary.wait_for_module(self.lightning_module)
+        """Return once the last stage's handoff is committed (raise its failure on every rank). Call it on
+        every rank, e.g. before another process reads the handoff."""
+        for writer in self._writers():
+            writer.call_returned()
+            writer.join()
+        if self.last_boundary is not None:
+            self._log_boundary(self.last_boundary, waited=True)
 
     def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
         if not self.is_global_zero:
@@ -275,27 +397,25 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         if report.wrote and not waited:
             written = "being written in the background"
         else:
-            written = "written" if report.wrote else ("written on entry" if report.enter_wrote else "unchanged")
+            written = "written" if report.wrote else "unchanged"
         log.info(
-            "stagesafe: %s boundary %.2fs (waited %.2fs for the write); handoff %s at %s%s%s",
+            "stagesafe: %s boundary %.2fs; handoff %s at %s%s%s",
             report.stage,
             report.seconds,
-            report.phases.get("publish_wait", 0.0),
             written,
             report.uri,
-            f" ({report.handoff_bytes / 1e6:.1f} MB)" if report.handoff_bytes else "",
+            f" ({_megabytes(report.handoff_bytes)})" if report.handoff_bytes else "",
             "" if report.clean else f"; NOT clean: {report.stale_problems}",
         )
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
+        for writer in self._writers():
+            writer.call_returned()  # Lightning's teardown is over: its CUDA calls no longer wait for the driver
         if self.wait_for_write:
             self.wait_for_handoff()
-            return
-        StageBoundary.call_returned()  # Lightning's teardown is over: its CUDA calls no longer wait for the driver
-        boundary = self._publishing
-        if boundary is not None:
-            self._log_boundary(boundary.report, waited=False)
+        elif self.last_boundary is not None:
+            self._log_boundary(self.last_boundary, waited=False)
 
     @classmethod
     @override
@@ -324,15 +444,38 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         )
 
 
-class _WaitForHandoff(Callback):
-    """The Trainer's last hook of a call (after the strategy's teardown): with ``wait_for_write=True`` the call
-    returns only once the handoff is committed, and a write failure is raised from it."""
+_RESTART = (
+    "Restart the job; it continues from the last committed handoff with "
+    "StageSafeDeepSpeedStrategy(resume_from=<the handoff's URL>)"
+)
+
+
+class _StageReturned(Callback):
+    """The Trainer's last hook of a call (after the strategy's teardown): the call is returning."""
 
     @override
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
         strategy = trainer.strategy
         if isinstance(strategy, StageSafeDeepSpeedStrategy):
             strategy._stage_returned()
+
+
+def _checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Optional[str]:
+    """A str URL whose fsspec protocol is known and installed (nothing is read or written yet)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
+    resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
+    return os.fspath(value)
+
+
+def _has_meta_tensors(module: Module) -> bool:
+    return any(t.device.type == "meta" for t in module.state_dict(keep_vars=True).values() if hasattr(t, "device"))
+
+
+def _megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:

@@ -80,20 +80,27 @@ def _hook_ids(obj: Any, tables: Iterable[str]) -> dict[str, set[int]]:
     return ids
 
 
-def take_footprint(module: nn.Module) -> ModuleFootprint:
-    """Record attribute names and hook ids of the module tree, so that what an engine adds can be removed."""
+def take_footprint(module: nn.Module, *, fresh: Iterable[int] = ()) -> ModuleFootprint:
+    """Record attribute names and hook ids of the module tree, so that what an engine adds can be removed.
+    ``fresh`` parameters (built by ``zero.Init`` in this call) count as plain: what DeepSpeed put on them goes."""
+    fresh = set(fresh)
     footprint = ModuleFootprint()
     for sub in module.modules():
         footprint.module_attrs[id(sub)] = set(vars(sub))
         footprint.module_hooks[id(sub)] = _hook_ids(sub, _HOOK_TABLES)
     for param in module.parameters():
-        footprint.param_attrs[id(param)] = set(vars(param))
-        footprint.param_hooks[id(param)] = _hook_ids(param, _TENSOR_HOOK_TABLES)
+        plain = id(param) in fresh
+        footprint.param_attrs[id(param)] = set() if plain else set(vars(param))
+        footprint.param_hooks[id(param)] = {} if plain else _hook_ids(param, _TENSOR_HOOK_TABLES)
     return footprint
 
 
-def find_stale_state(module: nn.Module) -> list[str]:
-    """Describe every trace of an earlier DeepSpeed engine on the module; empty when the module is clean."""
+def find_stale_state(module: nn.Module, *, fresh: Iterable[int] = ()) -> list[str]:
+    """Describe every trace of an earlier DeepSpeed engine on the module; empty when the module is clean.
+
+    ``fresh``: ids of parameters that DeepSpeed's ``zero.Init`` built in the current Trainer call (Lightning's
+    ``configure_model``): partitioned by design, not left over."""
+    fresh = set(fresh)
     problems: list[str] = []
     for name, sub in module.named_modules():
         label = name or "<root>"
@@ -111,6 +118,8 @@ def find_stale_state(module: nn.Module) -> list[str]:
                 if n:
                     problems.append(f"module {label!r} has {n} DeepSpeed hook(s) in {table}")
     for name, param in module.named_parameters(remove_duplicate=True):
+        if id(param) in fresh:
+            continue
         ds_attrs = sorted(k for k in vars(param) if k.startswith("ds_") or k in _PARAM_LINKS)
         if ds_attrs:
             problems.append(f"parameter {name!r} carries DeepSpeed attributes {ds_attrs[:5]}")

@@ -74,10 +74,11 @@ def fresh() -> Interrupted:
     return Interrupted()
 
 
-def record(stages: list, label: str, module: Interrupted, handoff: str, call) -> None:
+def record(stages: list, label: str, module: Interrupted, handoff: str, call, trainer: pl.Trainer) -> None:
     rec: dict = {"stage": label, "error": None}
     try:
         call()
+        trainer.strategy.wait_for_handoff()  # the call returned before its handoff was committed
     except BaseException as exc:  # noqa: BLE001 - SystemExit from Lightning's KeyboardInterrupt handling
         rec["error"] = f"{type(exc).__name__}: {exc}"
         rec["traceback"] = traceback.format_exc()[-3000:]
@@ -97,22 +98,22 @@ def main() -> None:
     reference = fresh()
     t = trainer(root, "reference", max_steps=INTERRUPT_AT)
     result["reference"] = []
-    record(result["reference"], "fit", reference, f"{root}/reference/handoff", lambda: t.fit(reference, dataloader()))
+    record(result["reference"], "fit", reference, f"{root}/reference/handoff", lambda: t.fit(reference, dataloader()), t)
 
     module = fresh()
     module.interrupt_train_at = INTERRUPT_AT
     handoff = f"{root}/interrupted/handoff"
     stages: list = []
     t = trainer(root, "interrupted")
-    record(stages, "fit", module, handoff, lambda: t.fit(module, dataloader()))
+    record(stages, "fit", module, handoff, lambda: t.fit(module, dataloader()), t)
     stages[-1]["global_step"] = t.global_step
     module.interrupt_train_at = None
     module.interrupt_test_at = 1
-    record(stages, "test", module, handoff, lambda: t.test(module, dataloader(), verbose=False))
+    record(stages, "test", module, handoff, lambda: t.test(module, dataloader(), verbose=False), t)
     module.interrupt_test_at = None
-    record(stages, "test", module, handoff, lambda: t.test(module, dataloader(), verbose=False))
+    record(stages, "test", module, handoff, lambda: t.test(module, dataloader(), verbose=False), t)
     t2 = trainer(root, "interrupted")
-    record(stages, "fit", module, handoff, lambda: t2.fit(module, dataloader()))
+    record(stages, "fit", module, handoff, lambda: t2.fit(module, dataloader()), t2)
     result["interrupted"] = stages
     with open(out, "w") as f:
         json.dump(result, f, indent=1, default=str)

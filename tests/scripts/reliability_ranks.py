@@ -112,6 +112,7 @@ def case_interrupt(root: str) -> dict:
     rec = run(stages, "fit", lambda: t.fit(module, train_dataloaders=dataloader()))
     describe(module, rec)
     rec["global_step"] = t.global_step
+    t.strategy.wait_for_handoff()
     rec["handoff_digest"] = state_digest_of(load_state_dict(f"{root}/interrupt/handoff"))
     module.interrupt_at = None
     rec = run(stages, "test", lambda: t.test(module, dataloaders=dataloader(), verbose=False))
@@ -119,6 +120,7 @@ def case_interrupt(root: str) -> dict:
     t2 = trainer(root, "interrupt")
     rec = run(stages, "fit", lambda: t2.fit(module, train_dataloaders=dataloader()))
     describe(module, rec)
+    t2.strategy.wait_for_handoff()
     rec["handoff_digest"] = state_digest_of(load_state_dict(f"{root}/interrupt/handoff"))
     return {"stages": stages}
 
@@ -203,6 +205,7 @@ def case_bad_resume(root: str, name: str, uri: str, good: str | None) -> dict:
     t2 = trainer(root, folder, **({"resume_from": good} if good else {}))
     rec = run(stages, "fit" if good is None else "test", lambda: (t2.test if good else t2.fit)(module, dataloader()))
     describe(module, rec)
+    t2.strategy.wait_for_handoff()  # the call returned before its handoff was committed
     rec["handoff_digest"] = state_digest_of(load_state_dict(f"{root}/{folder}/handoff"))
     return {"initial_digest": initial, "stages": stages}
 
@@ -222,6 +225,7 @@ def case_unwritable(root: str) -> dict:
     t2 = trainer(root, "unwritable", handoff_uri=f"{root}/unwritable/handoff")
     rec = run(stages, "fit", lambda: t2.fit(module, train_dataloaders=dataloader()))
     describe(module, rec)
+    t2.strategy.wait_for_handoff()
     rec["handoff_digest"] = state_digest_of(load_state_dict(f"{root}/unwritable/handoff"))
     return {"initial_digest": initial, "stages": stages}
 

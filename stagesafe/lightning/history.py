@@ -1,0 +1,99 @@
+"""What stagesafe remembers about a module between Trainer calls, whichever strategy ran them.
+
+A module may go through several Trainers (a new one per call is common), so this is kept per module, not per
+strategy: the dtype and device each tensor had before its first stage, which handoff holds its current
+weights (checked by each tensor's identity and in-place version, so a change by the user is noticed), where
+those weights come from (stage and step), and the writer of its last handoff, which may still be running.
+No write's state lives here: the writer owns it.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from stagesafe.lightning.writer import HandoffWriter
+
+__all__ = ["HandoffTarget", "ModuleHistory", "history_of", "state_tensors", "fingerprint"]
+
+Fingerprint = dict[str, tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class HandoffTarget:
+    """Where a module's handoff lives."""
+
+    uri: str
+    storage_options: Mapping[str, Any] | None = None
+    max_shard_size: int | str = "1GB"
+
+
+@dataclass
+class ModuleHistory:
+    """A module's facts across Trainer calls."""
+
+    original: dict[str, tuple[torch.dtype, torch.device]]  # per state-dict name, before its first stage
+    target: HandoffTarget | None = None  # the handoff that holds the weights fingerprinted below
+    fingerprint: Fingerprint | None = None  # None: no handoff is known to hold the module's weights
+    weights_from: dict[str, Any] = field(default_factory=dict)  # {"stage", "global_step", "epoch"} of the weights
+    _writer: "weakref.ref[HandoffWriter] | None" = None
+
+    def holds(self, target: HandoffTarget, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the handoff at ``target`` holds exactly these tensors' values."""
+        return self.target == target and self.fingerprint is not None and self.fingerprint == fingerprint(tensors)
+
+    def written(self, target: HandoffTarget, tensors: Mapping[str, torch.Tensor], writer: "HandoffWriter") -> None:
+        """A write of these tensors to ``target`` has started (a failed one calls :meth:`lost`)."""
+        self.target, self.fingerprint = target, fingerprint(tensors)
+        self._writer = weakref.ref(writer)
+
+    def lost(self) -> None:
+        """The handoff may not hold the module's weights: the next stage writes them again."""
+        self.fingerprint = None
+
+    @property
+    def writer(self) -> "HandoffWriter | None":
+        return self._writer() if self._writer is not None else None
+
+    def note_names(self, tensors: Mapping[str, torch.Tensor], fresh: Iterable[str] = ()) -> None:
+        """Keep the original dtype and device of every current name; a name new to the module takes its own.
+        ``fresh``: tensors DeepSpeed's ``zero.Init`` just built, cast to its 16-bit dtype and partitioned:
+        what the user's code asked for is float32 (the default dtype) on the CPU."""
+        fresh = set(fresh)
+        for name, tensor in tensors.items():
+            if name in self.original:
+                continue
+            if name in fresh:
+                dtype = torch.get_default_dtype() if tensor.is_floating_point() else tensor.dtype
+                self.original[name] = (dtype, torch.device("cpu"))
+            else:
+                self.original[name] = (tensor.dtype, tensor.device)
+        for name in [n for n in self.original if n not in tensors]:
+            del self.original[name]
+
+
+_HISTORY: "weakref.WeakKeyDictionary[nn.Module, ModuleHistory]" = weakref.WeakKeyDictionary()
+
+
+def history_of(module: nn.Module) -> ModuleHistory | None:
+    return _HISTORY.get(module)
+
+
+def new_history(module: nn.Module) -> ModuleHistory:
+    history = _HISTORY[module] = ModuleHistory(original={})
+    return history
+
+
+def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach() for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
+
+
+def fingerprint(tensors: Mapping[str, torch.Tensor]) -> Fingerprint:
+    """Identity and in-place version of each tensor: unchanged means the values are unchanged."""
+    return {name: (t.data_ptr(), t._version) for name, t in tensors.items()}

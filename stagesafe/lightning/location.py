@@ -1,0 +1,55 @@
+"""Where the handoff lives, as every rank sees it: checked once per strategy, at its first stage.
+
+Every rank computes its handoff URL on its own (``<default_root_dir>/stagesafe_handoff`` by default), and
+the ranks of a job need not see one folder: node-local disks of a multi-node job, or a different
+``default_root_dir`` per rank (each rank its own ``tmp_path`` in Lightning's own tests). Rank 0 writes a
+small token file into its folder; each rank looks for that token in its own. If every rank finds it, every
+rank writes a share of each handoff; otherwise rank 0 writes the whole handoff into its folder and the other
+ranks never read theirs. The token also shows, before any training, that the folder can be written.
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass
+
+import torch.distributed as torch_dist
+
+from stagesafe.handoff.fs import join, resolve, url_of
+from stagesafe.handoff.plan import MANIFEST_NAME, temp_name
+from stagesafe.handoff.store import read_small, remove_file, write_probe
+from stagesafe.lightning import dist
+from stagesafe.lightning.history import HandoffTarget
+
+__all__ = ["Location", "agree_on_location"]
+
+
+@dataclass(frozen=True)
+class Location:
+    """What the ranks agreed on about a handoff folder."""
+
+    writer_id: str  # names this strategy's keys in the job's key-value store, the same on every rank
+    writers: int  # ranks that write shares: all of them when every rank sees rank 0's folder, else 1
+    folders: tuple[str, ...]  # each rank's URL, for messages
+
+
+def agree_on_location(target: HandoffTarget) -> Location:
+    """Check that rank 0 can write the handoff folder and which ranks see it (collectives: every rank calls
+    this at the same point, before any engine is built)."""
+    token = secrets.token_hex(8)
+    fs, root = resolve(target.uri, dict(target.storage_options or {}))
+    probe = temp_name(MANIFEST_NAME, token)  # a name the store's own cleanup removes, should it be left behind
+    dist.on_rank_zero(lambda: write_probe(fs, root, probe, token.encode()), f"writing to the handoff folder {target.uri}")
+    box = [token]
+    if dist.world_size() > 1:
+        torch_dist.broadcast_object_list(box, src=0)
+    seen = read_small(fs, join(root, temp_name(MANIFEST_NAME, box[0])))
+    mine = (seen == box[0].encode(), url_of(fs, root))
+    everyone = [mine]
+    if dist.world_size() > 1:
+        everyone = [None] * dist.world_size()
+        torch_dist.all_gather_object(everyone, mine)  # every rank has looked: the token may go
+    if dist.rank() == 0:
+        remove_file(fs, join(root, probe))
+    writers = dist.world_size() if all(sees for sees, _ in everyone) else 1
+    return Location(writer_id=box[0], writers=writers, folders=tuple(url for _, url in everyone))

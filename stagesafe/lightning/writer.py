@@ -1,0 +1,317 @@
+"""The strategy's one background writer of its handoff: its threads, host memory, rank agreement and outcome.
+
+A Trainer call returns as soon as the module holds its weights; the handoff is written afterwards. One write
+at a time, owned here from the first byte to the commit, in these states (docs/how-it-works.md):
+
+    copying    the write's private copies come off the device; once the Trainer call has returned, the
+               page-locked host memory of the stage is unlocked. Needs the device.
+    writing    every writing rank writes its share of the shards; rank 0 commits once all have posted
+               (the job's key-value store, never a collective). Host only.
+    committed | failed
+
+It is joined, on every rank and through the key-value store, by: the next Trainer call (its entry raises a
+failure already known, its end joins the write), ``wait_for_handoff()``, and the interpreter's exit, which
+runs before threading's and concurrent.futures' own exit hooks, so the write can still finish; a failure
+there is printed as an error on every rank and the exit status is non-zero. Every wait is bounded by the
+strategy's timeout. Threads are daemons: a signal that ends the process ends them too.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours, so ours runs first
+import functools
+import logging
+import os
+import sys
+import threading
+import time
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from stagesafe.errors import DistributedStageError
+from stagesafe.handoff.fs import resolve
+from stagesafe.handoff.store import Commit, remove_replaced
+from stagesafe.lightning.agree import JobChannel, describe, quoted
+from stagesafe.lightning.shared_write import write_share
+
+__all__ = ["WriteRequest", "HandoffWriter"]
+
+log = logging.getLogger(__name__)
+
+_EXIT_ACK_WAIT = 60.0  # seconds rank 0 stays at exit for the others to read the outcome it posted
+
+
+@dataclass
+class WriteRequest:
+    """One handoff to write: ``values`` (the shards this rank writes read private copies), where, and hooks
+    for the device work: ``fill`` makes the private copies; ``unlock`` unlocks page-locked host memory once
+    the Trainer call has returned (before that it would stall the call's own CUDA calls); ``on_failed`` runs on
+    every rank once the write is known to have failed."""
+
+    values: Mapping[str, torch.Tensor]
+    uri: str
+    storage_options: Mapping[str, Any] | None
+    max_shard_size: int | str
+    metadata: Mapping[str, Any]
+    fill: Callable[[], None] | None = None
+    unlock: Callable[[], None] | None = None
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the boundary's report
+    on_failed: Callable[[], None] | None = None  # called on every rank when the write is known to have failed
+
+
+class _Write:
+    """One write on this rank: its threads, its state and its outcome."""
+
+    def __init__(self, request: WriteRequest, channel: JobChannel, *, writes_here: bool, writers: int) -> None:
+        self.request = request
+        self.channel = channel
+        self.writes_here = writes_here
+        self.writers = writers
+        self.state = "copying"
+        self.filled = threading.Event()
+        self.device_done = threading.Event()
+        self.finished = threading.Event()
+        self.returned = threading.Event()  # the Trainer call that started the write has returned
+        self.error: BaseException | None = None
+        self.commit: Commit | None = None
+
+    @property
+    def uri(self) -> str:
+        return self.request.uri
+
+
+class HandoffWriter:
+    """Writes a strategy's handoffs in the background, one at a time, and joins them on every rank.
+
+    ``writers``: how many ranks write shares (every rank when all see the handoff folder, else only rank 0).
+    ``timeout``: seconds any wait for another rank, or for this rank's own threads, may last.
+    """
+
+    def __init__(self, channel: JobChannel, *, writers: int, timeout: float) -> None:
+        self._channel = channel
+        self.writers = writers
+        self.timeout = timeout
+        self._count = 0
+        self._write: _Write | None = None
+        self._exit_hook = False
+
+    @property
+    def rank(self) -> int:
+        return self._channel.rank
+
+    @property
+    def channel(self) -> JobChannel:
+        """This writer's keys in the job's key-value store (the strategy keeps its calls' keys under it)."""
+        return self._channel
+
+    @property
+    def pending(self) -> bool:
+        """A write was started and not yet joined."""
+        return self._write is not None
+
+    @property
+    def pending_uri(self) -> str | None:
+        return self._write.uri if self._write is not None else None
+
+    # -- starting -----------------------------------------------------------------------------------------
+    def start(self, request: WriteRequest) -> None:
+        """Start writing ``request`` in the background (every rank calls this, in step). The previous write
+        must have been joined."""
+        if self._write is not None:
+            raise RuntimeError("stagesafe: a handoff write was started before the previous one was joined")
+        self._count += 1
+        channel = self._channel.sub(f"write-{self._count}")
+        write = _Write(request, channel, writes_here=self.rank < self.writers, writers=self.writers)
+        self._write = write
+        self._register_exit_hook()
+        _daemon(f"stagesafe-handoff-device {request.uri}", self._device_work, write)
+        if write.writes_here:
+            _daemon(f"stagesafe-handoff-write {request.uri}", self._write_shards, write)
+        else:
+            write.state = "writing"  # elsewhere: rank 0 writes it
+            write.finished.set()
+
+    def _device_work(self, write: _Write) -> None:
+        """The private copies off the device, then, once the call has returned, unlocking host memory."""
+        request = write.request
+        try:
+            start = time.perf_counter()
+            if request.fill is not None:
+                request.fill()
+            request.phases["handoff_write_private_copy"] = time.perf_counter() - start
+        except BaseException as exc:  # noqa: BLE001 - the write fails with it; the unlock still runs
+            write.error = exc
+        finally:
+            write.filled.set()
+        if request.unlock is not None:
+            write.returned.wait()
+        try:
+            start = time.perf_counter()
+            if request.unlock is not None:
+                request.unlock()
+            request.phases["handoff_write_unlock"] = time.perf_counter() - start
+        except BaseException as exc:  # noqa: BLE001 - only speed is at stake: the memory stays usable
+            log.warning("stagesafe: could not unlock page-locked host memory (%s)", exc)
+        finally:
+            write.device_done.set()
+
+    def _write_shards(self, write: _Write) -> None:
+        request = write.request
+        start = time.perf_counter()
+        try:
+            write.filled.wait()
+            if write.error is not None:
+                raise write.error
+            write.state = "writing"
+            write.commit = write_share(
+                request.values,
+                request.uri,
+                request.storage_options,
+                max_shard_size=request.max_shard_size,
+                channel=write.channel,
+                writers=write.writers,
+                metadata=request.metadata,
+            )
+            write.state = "committed"
+        except BaseException as exc:  # noqa: BLE001 - the joiner raises it
+            write.error = exc
+            write.state = "failed"
+        finally:
+            request.phases["handoff_write"] = time.perf_counter() - start
+        if self.rank == 0:  # the commit's outcome, for every rank
+            write.channel.post("outcome", "ok" if write.error is None else f"failed: {describe(write.error)}")
+        if write.commit is not None:  # committed: now the replaced handoff's files may go
+            removing = time.perf_counter()
+            try:
+                remove_replaced(*resolve(request.uri, dict(request.storage_options or {})), write.commit)
+            except Exception as exc:  # noqa: BLE001 - committed: leftovers go with a later save
+                log.warning("stagesafe: could not delete the replaced handoff's files (%s)", exc)
+            request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
+        write.finished.set()
+
+    # -- joining ------------------------------------------------------------------------------------------
+    def call_returned(self) -> None:
+        """The Trainer call that started the write has returned: its host memory may be unlocked now."""
+        if self._write is not None:
+            self._write.returned.set()
+
+    def wait_device(self) -> None:
+        """Return once the write needs the device no more (local; before any collective that uses it)."""
+        write = self._write
+        if write is None:
+            return
+        write.returned.set()  # whoever waits has returned from the call
+        _wait_event(write.device_done, self.timeout, f"the handoff write's device work ({write.uri})")
+
+    def check(self, what: str) -> None:
+        """At a Trainer call's entry: raise, on every rank, a failure of the last write already known; leave
+        a write still running to the end of the call. Rank 0 decides, so every rank acts alike."""
+        write = self._write
+        if write is None:
+            return
+        write.returned.set()
+        if self.rank == 0:
+            state = "running" if not write.finished.is_set() else ("ok" if write.error is None else "failed")
+            write.channel.post("check", state)
+        write.channel.wait(["check"], what=f"{what}: rank 0's word on the last handoff write")
+        if write.channel.get("check") != "running":
+            self.join()
+
+    def join(self) -> Commit | None:
+        """Block until the write is committed or failed (every rank calls this); raise a failure on every
+        rank. Returns rank 0's :class:`Commit`."""
+        write, self._write = self._write, None
+        if write is None:
+            return None
+        write.returned.set()
+        what = f"writing the handoff {write.uri!r}"
+        _wait_event(write.device_done, self.timeout, f"{what}: the device work")
+        # the thread bounds its own waits for other ranks by the timeout: give it that, and as long to write
+        _wait_event(write.finished, 2 * self.timeout, what)
+        try:
+            write.channel.wait(["outcome"], what=f"{what}: rank 0's commit")
+            outcome = write.channel.get("outcome")
+            if write.error is not None:
+                raise write.error  # this rank's own failure says most
+            if outcome != "ok":
+                raise DistributedStageError(
+                    f"{what} failed on rank 0 ({quoted(outcome.removeprefix('failed: '))}); nothing was committed: "
+                    "the handoff there before, if any, is unchanged"
+                )
+        except BaseException:
+            if write.request.on_failed is not None:
+                write.request.on_failed()
+            raise
+        return write.commit
+
+    # -- exit ---------------------------------------------------------------------------------------------
+    def _register_exit_hook(self) -> None:
+        if self._exit_hook:
+            return
+        self._exit_hook = True
+        threading._register_atexit(functools.partial(_join_at_exit, weakref.ref(self)))
+
+    def join_at_exit(self) -> None:
+        """The interpreter is exiting with a write not joined: finish it. Rank 0, which hosts the job's
+        key-value store under Lightning's launcher, then stays until every rank has read the outcome (or
+        :data:`_EXIT_ACK_WAIT` seconds have passed)."""
+        write = self._write
+        if write is None:
+            return
+        error: BaseException | None = None
+        try:
+            self.join()
+        except KeyboardInterrupt:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - raised once the others have read the outcome
+            error = exc
+        try:
+            write.channel.post(f"left/{self.rank}", "")
+            if self.rank == 0:
+                others = [f"left/{r}" for r in range(write.channel.world)]
+                write.channel.wait(others, what="exit", timeout=_EXIT_ACK_WAIT)
+        except Exception:  # noqa: BLE001 - the others are gone: nobody is waiting for the outcome
+            pass
+        if error is not None:
+            raise error
+
+
+def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
+    """Before threading's and concurrent.futures' own exit hooks: finish the write, or fail the process."""
+    writer = ref()
+    if writer is None or not writer.pending:
+        return
+    uri = writer.pending_uri
+    try:
+        writer.join_at_exit()
+        log.info("stagesafe: the handoff %s was committed before the interpreter exited", uri)
+        return
+    except KeyboardInterrupt:
+        message = f"interrupted while the handoff {uri!r} was being written; it was not committed"
+        status = 130
+    except BaseException as exc:  # noqa: BLE001 - the process must not end as if all went well
+        message, status = f"the handoff write to {uri!r} failed as the interpreter exited: {describe(exc)}", 1
+    log.error("stagesafe: rank %d: %s; the process exits with status %d", writer.rank, message, status)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - no stream left to flush; the exit status still says it
+            pass
+    os._exit(status)  # the exit status is fixed before exit hooks run: only this makes it non-zero
+
+
+def _daemon(name: str, target: Callable[[_Write], None], write: _Write) -> None:
+    threading.Thread(target=target, args=(write,), name=name, daemon=True).start()
+
+
+def _wait_event(event: threading.Event, timeout: float, what: str) -> None:
+    if not event.wait(timeout):
+        raise DistributedStageError(
+            f"{what}: not done after {timeout:.0f} s on this rank; storage may be hanging. The committed handoff, "
+            "if any, is unchanged by it"
+        )
+

@@ -1,0 +1,117 @@
+"""A background handoff write in the user's world: the script ends right after ``fit``, the write fails as the
+process exits, ranks see different folders, a signal arrives while a write waits. Real 2-rank Lightning jobs
+on CPU (gloo), started as torchrun would (one process per rank), so that every rank's exit status is seen.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import stagesafe
+from _launch import LaunchError, run_ranks, sanitized_env
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "end_after_fit.py")
+sys.path.insert(0, os.path.join(HERE, "scripts"))
+from toy import ToyModule, state_digest, state_digest_of  # noqa: E402
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _job(spec: dict, *, timeout: float = 240.0):
+    os.makedirs(spec["root"], exist_ok=True)
+    return run_ranks(SCRIPT, [json.dumps(spec)], timeout=timeout, cwd=spec["root"])
+
+
+def _printed(result, key: str) -> str:
+    return next(line.split()[1] for line in result.stdout.splitlines() if line.startswith(key + " "))
+
+
+def test_a_script_that_ends_right_after_fit_leaves_the_trained_weights_committed(tmp_path):
+    uri = str(tmp_path / "handoff")
+    rank0, rank1 = _job({"mode": "fit", "root": str(tmp_path), "handoff_uri": uri, "max_steps": 3})
+    trained = _printed(rank0, "DIGEST")
+    assert state_digest_of(stagesafe.load_state_dict(uri)) == trained  # bitwise, after both processes exited
+    manifest = stagesafe.verify(uri)
+    assert (manifest["metadata"]["stage"], manifest["metadata"]["global_step"]) == ("fit", 3)
+    assert state_digest(stagesafe.restore(ToyModule(), uri)) == trained
+
+
+def test_the_same_through_s3_and_a_later_job_resumes_from_it(s3, tmp_path):
+    uri = s3.new_url("ended-after-fit")
+    options = s3.storage_options()
+    rank0, _ = _job({"mode": "fit", "root": str(tmp_path / "a"), "handoff_uri": uri, "storage_options": options})
+    trained = _printed(rank0, "DIGEST")
+    assert "stagesafe.json" in s3.objects(uri)
+    later, _ = _job({"mode": "resume", "root": str(tmp_path / "b"), "handoff_uri": str(tmp_path / "b" / "h"),
+                     "resume_from": uri, "storage_options": options})
+    assert _printed(later, "TESTED") == trained
+
+
+def test_a_write_that_fails_as_the_script_ends_fails_the_process_on_every_rank(s3, tmp_path):
+    uri = s3.new_url("refused")
+    s3.fail("PUT", r"/model-[0-9a-f]{8}-", 403, "AccessDenied")  # the store refuses the shards, not the probe
+    with pytest.raises(LaunchError) as failed:
+        _job({"mode": "fit", "root": str(tmp_path), "handoff_uri": uri, "storage_options": s3.storage_options()})
+    rank0, rank1 = failed.value.results
+    assert _printed(rank0, "DIGEST")  # fit itself returned, and the script ended
+    assert rank0.returncode == 1 and rank1.returncode == 1
+    for result in (rank0, rank1):
+        assert "failed as the interpreter exited" in result.stderr, result.stderr[-2000:]
+        assert "exits with status 1" in result.stderr
+    assert "access denied" in rank0.stderr
+    assert "failed on rank 0" in rank1.stderr or "access denied" in rank1.stderr  # its own share, or rank 0's
+    assert not any(name.startswith(("model-", "stagesafe.json")) for name in s3.objects(uri))  # nothing left
+
+
+def test_ranks_that_see_different_folders_get_the_handoff_in_rank_zeros(tmp_path):
+    started = time.monotonic()
+    rank0, rank1 = _job({"mode": "per_rank_folders", "root": str(tmp_path), "handoff_uri": None}, timeout=180)
+    seconds = time.monotonic() - started
+    trained = _printed(rank0, "DIGEST")
+    assert _printed(rank0, "TESTED") == trained
+    handoff = stagesafe.load_state_dict(str(tmp_path / "rank0" / "stagesafe_handoff"))
+    assert state_digest_of(handoff) == trained
+    assert not os.path.exists(tmp_path / "rank1" / "stagesafe_handoff" / "stagesafe.json")
+    print(f"per-rank folders: fit and test on 2 ranks in {seconds:.1f} s")
+
+
+_STALLED = """
+import signal, sys, torch, torch.distributed as dist
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores Ctrl+C)
+from stagesafe.lightning.agree import JobChannel
+from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+uri, where = sys.argv[1], sys.argv[2]
+writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600), writers=2, timeout=600)
+writer.start(WriteRequest(values={"w": torch.ones(3)}, uri=uri, storage_options=None, max_shard_size="1GB", metadata={}))
+print("waiting for rank 1, which never writes", flush=True)
+if where == "join":
+    writer.join()
+"""
+
+
+@pytest.mark.parametrize("where", ["join", "exit"])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_ends_a_process_whose_write_waits_for_a_rank_that_is_gone(tmp_path, where, sig):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _STALLED, str(tmp_path / "h"), where],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sanitized_env(),
+    )
+    assert proc.stdout.readline().startswith("waiting for rank 1")
+    time.sleep(0.5)  # in the join, or in the exit hook's join
+    proc.send_signal(sig)
+    try:
+        _, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail(f"the process survived {sig.name}")
+    assert proc.returncode != 0
+    if sig == signal.SIGINT and where == "exit":
+        assert proc.returncode == 130 and "interrupted while the handoff" in err

@@ -1,0 +1,95 @@
+"""Two processes writing one handoff folder at the same moment, and readers while a writer replaces it.
+
+The last commit wins whole: unique shard names per commit, the manifest as the one atomic switch, the index
+made to follow it, and no writer deleting another commit's shards; readers start over when the handoff is
+replaced under them. Real processes on a real folder (and memory:// for the readers' test of threads).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+
+import pytest
+import torch
+
+import stagesafe
+from stagesafe.errors import HandoffCorruptError
+
+pytestmark = pytest.mark.timeout(300)
+ROUNDS = 20
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(200, 50, generator=g) for i in range(8)}
+
+
+def _writer(uri: str, seed: int, barrier, rounds: int, errors) -> None:
+    torch.set_num_threads(1)
+    for r in range(rounds):
+        barrier.wait(60)
+        try:
+            stagesafe.save_state_dict(_state(seed * 1000 + r), uri, max_shard_size="100KB")
+        except Exception as exc:  # noqa: BLE001 - reported to the test
+            errors.put(f"writer {seed} round {r}: {type(exc).__name__}: {exc}")
+        barrier.wait(60)  # the test looks at the folder between rounds
+
+
+def test_two_processes_saving_at_once_always_leave_one_whole_handoff(tmp_path):
+    uri = str(tmp_path / "handoff")
+    ctx = multiprocessing.get_context("spawn")
+    barrier, errors = ctx.Barrier(3), ctx.Queue()
+    procs = [ctx.Process(target=_writer, args=(uri, seed, barrier, ROUNDS, errors)) for seed in (1, 2)]
+    for p in procs:
+        p.start()
+    winners = []
+    try:
+        for r in range(ROUNDS):
+            barrier.wait(120)  # both start saving
+            barrier.wait(120)  # both are done
+            manifest = stagesafe.verify(uri)  # shards, sizes, hashes and the index all agree
+            loaded = stagesafe.load_state_dict(uri)
+            candidates = {seed: _state(seed * 1000 + r) for seed in (1, 2)}
+            won = [s for s, sd in candidates.items() if all(torch.equal(loaded[k], v) for k, v in sd.items())]
+            assert len(won) == 1, f"round {r}: the handoff is neither writer's whole state dict"
+            assert set(manifest["shards"]) <= set(os.listdir(uri))
+            winners.append(won[0])
+    finally:
+        for p in procs:
+            p.join(60)
+    assert errors.empty(), errors.get()
+    assert all(p.exitcode == 0 for p in procs)
+
+
+def test_readers_never_take_a_handoff_being_replaced_for_a_damaged_one(tmp_path):
+    uri = str(tmp_path / "handoff")
+    stagesafe.save_state_dict(_state(0), uri, max_shard_size="100KB")
+    stop = threading.Event()
+    commits = []
+
+    def replace() -> None:
+        n = 1
+        while not stop.is_set():
+            stagesafe.save_state_dict(_state(n % 2), uri, max_shard_size="100KB")
+            commits.append(n)
+            n += 1
+
+    writer = threading.Thread(target=replace)
+    writer.start()
+    corrupt, checks = [], 0
+    try:
+        while len(commits) < 40:
+            try:
+                stagesafe.verify(uri)
+                loaded = stagesafe.load_state_dict(uri)
+                assert any(all(torch.equal(loaded[k], v) for k, v in _state(s).items()) for s in (0, 1))
+            except HandoffCorruptError as exc:
+                corrupt.append(str(exc))
+            checks += 1
+    finally:
+        stop.set()
+        writer.join(60)
+    assert corrupt == [], f"{len(corrupt)} of {checks} reads called a healthy handoff damaged: {corrupt[0]}"
+    assert checks > 10

@@ -1,0 +1,223 @@
+"""The handoff writer (stagesafe/lightning/writer.py), in this process: two ranks as two threads sharing one
+real key-value store (torch.distributed's HashStore), writing real files. Interpreter exit is tested in
+subprocesses, where it really happens."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import stagesafe
+from stagesafe.errors import DistributedStageError, StorageTransferError
+from stagesafe.lightning.agree import JobChannel
+from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+
+pytestmark = pytest.mark.timeout(120)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _values(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"layer{i}.weight": torch.randn(64, 33, generator=g) for i in range(6)} | {"b": torch.arange(7.0)}
+
+
+def _writers(world: int, *, writers: int | None = None, timeout: float = 30.0) -> list[HandoffWriter]:
+    store = dist.HashStore()
+    return [
+        HandoffWriter(JobChannel(store, rank=r, world=world, prefix="t", timeout=timeout), writers=writers or world,
+                      timeout=timeout)
+        for r in range(world)
+    ]
+
+
+def _on_every_rank(fn, world: int) -> list:
+    """Run ``fn(rank)`` on one thread per rank; return each rank's result or exception."""
+    results: list = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+def _request(uri: str, values: dict, **kwargs) -> WriteRequest:
+    return WriteRequest(values=values, uri=uri, storage_options=None, max_shard_size=3000, metadata={"step": 1},
+                        **kwargs)
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    return set(a) == set(b) and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+def test_every_rank_writes_its_share_and_rank_zero_commits(tmp_path):
+    uri, values = str(tmp_path / "h"), _values()
+    writers = _writers(2)
+
+    def rank(r: int):
+        writers[r].start(_request(uri, values))
+        return writers[r].join()
+
+    committed, other = _on_every_rank(rank, 2)
+    assert other is None and committed.manifest["metadata"]["step"] == 1
+    assert _bitwise(stagesafe.load_state_dict(uri), values)
+    assert stagesafe.verify(uri)
+    phases = [w for w in writers if w.pending]
+    assert phases == []
+
+
+def test_ranks_that_do_not_see_the_folder_leave_the_whole_write_to_rank_zero(tmp_path):
+    values = _values(1)
+    folders = [str(tmp_path / f"rank{r}" / "h") for r in range(2)]  # each rank its own folder
+    writers = _writers(2, writers=1)
+    results = _on_every_rank(lambda r: (writers[r].start(_request(folders[r], values)), writers[r].join())[1], 2)
+    assert results[1] is None and not isinstance(results[0], BaseException)
+    assert _bitwise(stagesafe.load_state_dict(folders[0]), values)
+    assert not os.path.exists(folders[1])  # rank 1 wrote nothing, and waited for nothing of its own
+
+
+def test_a_share_that_fails_commits_nothing_leaves_no_shard_and_fails_on_every_rank(tmp_path):
+    uri = str(tmp_path / "h")
+    stagesafe.save_state_dict(_values(0), uri)
+    before = sorted(os.listdir(uri))
+    writers = _writers(2)
+    failed_on = []
+
+    def rank(r: int):
+        values = _values(1)
+        if r == 1:  # a value this rank cannot write: its share fails
+            values = {**values, "layer5.weight": _Unwritable(values["layer5.weight"])}
+        request = _request(uri, values, on_failed=lambda: failed_on.append(r))
+        writers[r].start(request)
+        return writers[r].join()
+
+    zero, one = _on_every_rank(rank, 2)
+    assert isinstance(one, RuntimeError) and "cannot be written" in str(one)  # rank 1: its own error
+    assert isinstance(zero, StorageTransferError) and "on rank 1" in str(zero) and "unchanged" in str(zero)
+    assert sorted(failed_on) == [0, 1]  # every rank learns that the handoff does not hold the new weights
+    assert sorted(os.listdir(uri)) == before  # no shard of the failed write is left, the old handoff is whole
+    assert _bitwise(stagesafe.load_state_dict(uri), _values(0))
+
+
+class _Unwritable(torch.Tensor):
+    """A tensor whose bytes cannot be read for writing (a real failure inside the shard writer)."""
+
+    @staticmethod
+    def __new__(cls, base):
+        return torch.Tensor._make_subclass(cls, base)
+
+    def contiguous(self, *args, **kwargs):
+        raise RuntimeError("this tensor cannot be written")
+
+
+def test_a_rank_that_never_writes_is_named_within_the_timeout(tmp_path):
+    uri = str(tmp_path / "h")
+    writers = _writers(2, timeout=2.0)
+    writers[0].start(_request(uri, _values()))  # rank 1 died before its share
+    started = time.monotonic()
+    with pytest.raises(DistributedStageError, match="no word after 2 s from rank 1"):
+        writers[0].join()
+    assert time.monotonic() - started < 30
+    assert not os.path.exists(os.path.join(uri, "stagesafe.json"))
+
+
+def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on_every_rank(tmp_path):
+    gate = threading.Event()
+    writers = _writers(2)
+
+    def slow_fill() -> None:
+        gate.wait(30)
+
+    def rank(r: int) -> str:
+        writers[r].start(_request(str(tmp_path / "h"), _values(), fill=slow_fill))
+        writers[r].check("entering test")  # rank 0's write waits at the gate: nothing to raise yet
+        still = writers[r].pending
+        gate.set()
+        writers[r].join()
+        return still
+
+    assert _on_every_rank(rank, 2) == [True, True]
+
+    failing = _writers(2)
+
+    def failing_rank(r: int):
+        values = {"x": _Unwritable(torch.ones(3))}
+        failing[r].start(_request(str(tmp_path / "f"), values))
+        if r == 0:
+            failing[0]._write.finished.wait(30)  # the failure is known before the next call's entry
+        failing[r].check("entering test")
+
+    zero, one = _on_every_rank(failing_rank, 2)
+    assert isinstance(zero, RuntimeError) and "cannot be written" in str(zero)
+    assert isinstance(one, DistributedStageError) and "failed on rank 0" in str(one)
+    assert not failing[0].pending and not failing[1].pending
+
+
+def test_device_work_comes_first_and_unlocking_waits_for_the_call_to_return(tmp_path):
+    order: list[str] = []
+    writer = _writers(1)[0]
+    values = _values()
+    writer.start(_request(str(tmp_path / "h"), values, fill=lambda: order.append("fill"),
+                          unlock=lambda: order.append("unlock")))
+    time.sleep(0.3)
+    assert order == ["fill"]  # the call has not returned: page-locked memory stays locked
+    writer.call_returned()
+    writer.wait_device()
+    assert order == ["fill", "unlock"]
+    writer.join()
+    assert _bitwise(stagesafe.load_state_dict(str(tmp_path / "h")), values)
+
+
+def test_one_write_at_a_time():
+    writer = _writers(1)[0]
+    writer.start(_request("memory://one-at-a-time", _values()))
+    with pytest.raises(RuntimeError, match="before the previous one was joined"):
+        writer.start(_request("memory://one-at-a-time", _values()))
+    writer.join()
+
+
+_EXIT_SCRIPT = """
+import os, sys, torch, torch.distributed as dist
+from stagesafe.lightning.agree import JobChannel
+from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+uri, mode = sys.argv[1], sys.argv[2]
+values = {"w": torch.arange(12.0).reshape(3, 4)}
+if mode == "fail":
+    import resource, signal
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))
+def slow():
+    import time; time.sleep(1.0)  # still running when the script's last line has run
+writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=1, prefix="x", timeout=60), writers=1, timeout=60)
+writer.start(WriteRequest(values=values, uri=uri, storage_options=None, max_shard_size="1GB", metadata={}, fill=slow))
+print("script ends", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["ok", "fail"])
+def test_interpreter_exit_finishes_the_write_or_fails_the_process(tmp_path, mode):
+    uri = str(tmp_path / "h")
+    proc = subprocess.run([sys.executable, "-c", _EXIT_SCRIPT, uri, mode], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": REPO})
+    assert "script ends" in proc.stdout
+    if mode == "ok":
+        assert proc.returncode == 0, proc.stderr
+        assert torch.equal(stagesafe.load_state_dict(uri)["w"], torch.arange(12.0).reshape(3, 4))
+    else:
+        assert proc.returncode == 1
+        assert "failed as the interpreter exited" in proc.stderr and "File too large" in proc.stderr
+        assert not os.path.exists(os.path.join(uri, "stagesafe.json"))
