@@ -79,6 +79,7 @@ __all__ = [
     "live_files",
     "load_state_dict",
     "plan_handoff",
+    "plan_specs",
     "read_manifest",
     "remove_replaced",
     "remove_stale",
@@ -186,6 +187,30 @@ def plan_handoff(
         aliases=aliases,
         total_size=sum(size for _, size in entries),
         state_dict=state_dict,
+    )
+
+
+def plan_specs(
+    specs: Mapping[str, Mapping[str, Any]],
+    aliases: Mapping[str, str],
+    *,
+    max_shard_size: int | str,
+    tag: str | None = None,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+) -> HandoffPlan:
+    """The plan :func:`plan_handoff` makes, for tensors known only by ``specs`` (name -> ``{"dtype",
+    "shape"}``, in state-dict order) and their tied-name ``aliases``: the same shards for the same specs."""
+    limit = parse_size(max_shard_size)
+    entries = [(name, _nbytes(spec)) for name, spec in specs.items() if name not in aliases]
+    groups = plan_shards(entries, limit)
+    shards = dict(zip(shard_file_names(len(groups), tag=tag), groups, strict=True))
+    return HandoffPlan(
+        shards=shards,
+        weight_map={name: file for file, names in shards.items() for name in names},
+        tensors={name: {"dtype": spec["dtype"], "shape": list(spec["shape"])} for name, spec in specs.items()},
+        aliases=dict(aliases),
+        total_size=sum(size for _, size in entries),
+        state_dict=state_dict if state_dict is not None else {},
     )
 
 
@@ -431,22 +456,10 @@ def save_streamed(
     fs, root = resolve(uri, storage_options)
     metadata = check_metadata(metadata)
     once = RetryPolicy(attempts=1)
-    limit = parse_size(max_shard_size)
-    entries = [(name, _nbytes(spec)) for name, spec in specs.items() if name not in aliases]
-    groups = plan_shards(entries, limit)
-    files = shard_file_names(len(groups), taken=live_files(fs, root, retry=once))
-    shards = dict(zip(files, groups, strict=True))
-    plan = HandoffPlan(
-        shards=shards,
-        weight_map={name: file for file, names in shards.items() for name in names},
-        tensors={name: {"dtype": spec["dtype"], "shape": list(spec["shape"])} for name, spec in specs.items()},
-        aliases=dict(aliases),
-        total_size=sum(size for _, size in entries),
-        state_dict=tensors,
-    )
+    plan = plan_specs(specs, aliases, max_shard_size=max_shard_size, state_dict=tensors)
     records = {}
     try:
-        for file_name, names in shards.items():
+        for file_name, names in plan.shards.items():
             shard_specs = {name: plan.tensors[name] for name in names}
             records[file_name] = _write_shard(fs, root, file_name, tensors, specs=shard_specs, retry=once, stop=None)
     except BaseException:

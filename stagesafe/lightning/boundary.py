@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from stagesafe.errors import StaleDeepSpeedStateError
-from stagesafe.handoff.store import HandoffReader, save_state_dict, save_streamed
+from stagesafe.handoff.store import HandoffReader, plan_handoff, save_state_dict, save_streamed
 from stagesafe.lightning import dist
 from stagesafe.lightning.history import (
     HandoffTarget,
@@ -91,7 +91,7 @@ class StageBoundary:
         """``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
         engine's partitions from the handoff, read one shard at a time. ``training``: the stage trains on
         ``device``, so host memory for its end is prepared while it runs. ``fresh``: ids of the parameters
-        ``zero.Init`` built in this call, whose values only the engine has."""
+        (whose values only the engine has) and floating buffers ``zero.Init`` built in this call."""
         self.module = module
         self.target = target
         self.stage = stage
@@ -125,7 +125,9 @@ class StageBoundary:
         _join_elsewhere(history, self.writer)
         self.writer.wait_device()  # the last stage's host memory is unlocked before it is locked again
         tensors = state_tensors(self.module)
-        self._fresh_names = {n for n, p in self.module.named_parameters(remove_duplicate=False) if id(p) in self._fresh}
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        self._fresh_names = {n for n, p in params.items() if id(p) in self._fresh and hasattr(p, "ds_id")}
+        built_16bit = {n for n, t in (*params.items(), *self.module.named_buffers()) if id(t) in self._fresh}
         on_meta = any(t.device.type == "meta" for t in tensors.values())
         if on_meta and self._materialize is None:
             raise ValueError(
@@ -139,7 +141,7 @@ class StageBoundary:
             if resume_from is not None:
                 history.target = resume_from if on_meta else None
                 history.weights_from = {"resumed_from": resume_from.uri}
-        history.note_names(tensors, fresh=self._fresh_names)
+        history.note_names(tensors, fresh=built_16bit)
         self.history = history
         self._footprint = zero.take_footprint(self.module, fresh=self._fresh)
         self._entry = {n: t for n, t in tensors.items() if n not in self._fresh_names}
@@ -458,39 +460,54 @@ class StageBoundary:
             if value.dtype != dtype:
                 before = entry.get(name)
                 if before is not None and _bitwise_equal(before.to("cpu", value.dtype), value):
-                    return before.to("cpu")
+                    return before.to("cpu", dtype)
             return value.to(dtype)
 
         return to_original
 
     def _prepare_host(self, tensors: Mapping[str, torch.Tensor]) -> HostBuffers | None:
         """Host memory for a training stage's end, made ready while it runs: the module's own fp32 CPU tensors
-        (which this boundary keeps alive anyway) take the masters in place, and this rank gets private buffers
-        for the shards it writes in the background, which later changes to the module cannot reach."""
+        (which this boundary keeps alive anyway) take the masters in place, new ones are made for parameters
+        zero.Init built (whose module tensors are empty placeholders), and this rank gets private buffers for
+        the shards it writes in the background, which later changes to the module cannot reach."""
         assert self.history is not None
+        specs, aliases = self._entry_specs(tensors)
         trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}  # tied: first name only
-        into = {
-            n: t
-            for n, t in tensors.items()
-            if n in trainable
-            and n not in self._fresh_names
-            and t.device.type == "cpu"
-            and t.dtype == torch.float32
-            and self.history.original[n][0] == torch.float32
-        }
-        if not into:
+        fp32 = {n for n in trainable if self.history.original[n][0] == torch.float32}
+        into = {n: tensors[n] for n in fp32 - self._fresh_names if tensors[n].device.type == "cpu"
+                and tensors[n].dtype == torch.float32}
+        new = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in fp32 & self._fresh_names}
+        if not into and not new:
             return None
-        written_here = self._names_this_rank_writes(tensors)
-        private = {n: (t.shape, t.dtype) for n, t in into.items() if n in written_here}
+        written_here = self._names_this_rank_writes(specs, aliases)
+        private = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in [*into, *new] if n in written_here}
         lock_on = self.device if self.device is not None and self.device.type == "cuda" else None
-        return HostBuffers(into, private, lock_on=lock_on)
+        return HostBuffers(into, private, new=new, lock_on=lock_on)
 
-    def _names_this_rank_writes(self, tensors: Mapping[str, torch.Tensor]) -> set[str]:
+    def _entry_specs(self, tensors: Mapping[str, torch.Tensor]) -> tuple[dict[str, dict], dict[str, str]]:
+        """Name -> ``{"dtype", "shape"}`` of what this stage's end will hand off (original dtypes, full shapes,
+        zero.Init's parameters included), and the tied names: what the write will plan its shards from."""
+        assert self.history is not None
+        params = dict(self.module.named_parameters(remove_duplicate=False))
+        first: dict[int, str] = {}
+        aliases = {}
+        for name, param in params.items():
+            canonical = first.setdefault(id(param), name)
+            if canonical != name:
+                aliases[name] = canonical
+        specs = {}
+        for name, tensor in tensors.items():
+            shape = getattr(params[name], "ds_shape", tensor.shape) if name in self._fresh_names else tensor.shape
+            specs[name] = {"dtype": str(self.history.original[name][0]).removeprefix("torch."), "shape": list(shape)}
+        return specs, aliases
+
+    def _names_this_rank_writes(self, specs: Mapping[str, dict], aliases: Mapping[str, str]) -> set[str]:
         """The names whose shards this rank will write in the background, planned once per boundary (which
         shard a tensor lands in depends on names and sizes only, the same at the stage's start and end)."""
         if self._written_here is None:
             self._written_here = names_written_by(
-                tensors, max_shard_size=self.target.max_shard_size, rank=dist.rank(), writers=self.writer.writers
+                specs, aliases, max_shard_size=self.target.max_shard_size, rank=dist.rank(),
+                writers=self.writer.writers,
             )
         return self._written_here
 
@@ -500,7 +517,10 @@ class StageBoundary:
         """What a background writer reads: for the shards this rank writes, private copies the user cannot
         change (those the writer fills from the gathered masters, clones of the rest, made now, while the job
         waits); the other names as they are. Also the writer's fill step."""
-        mine = self._names_this_rank_writes(values)
+        if self._written_here is None:  # a stage whose end was not planned for (no host memory was prepared)
+            plan = plan_handoff(values, max_shard_size=self.target.max_shard_size)
+            self._names_this_rank_writes(plan.tensors, plan.aliases)
+        mine = self._written_here
         copied = gathered.copied if gathered is not None else {}
         by_id: dict[int, torch.Tensor] = {}
         private = dict(values)

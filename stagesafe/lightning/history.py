@@ -63,8 +63,9 @@ class ModuleHistory:
 
     def note_names(self, tensors: Mapping[str, torch.Tensor], fresh: Iterable[str] = ()) -> None:
         """Keep the original dtype and device of every current name; a name new to the module takes its own.
-        ``fresh``: tensors DeepSpeed's ``zero.Init`` just built, cast to its 16-bit dtype and partitioned:
-        what the user's code asked for is float32 (the default dtype) on the CPU."""
+        ``fresh``: tensors DeepSpeed's ``zero.Init`` just built, in its 16-bit dtype (parameters partitioned
+        too): what the code that built them asked for is torch's default dtype (the fp32 masters' too), on
+        the CPU."""
         fresh = set(fresh)
         for name, tensor in tensors.items():
             if name in self.original:

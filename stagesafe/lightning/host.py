@@ -26,7 +26,9 @@ _REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the o
 
 
 class HostBuffers:
-    """Host tensors for a stage's end: ``existing`` ones (written in place) and ``fresh`` ones allocated here.
+    """Host tensors for a stage's end: ``existing`` ones (written in place), ``fresh`` ones allocated here (a
+    writer's private copies), and ``new`` ones allocated here to become module tensors (added to
+    ``existing`` once ready).
 
     ``lock_on``: the CUDA device whose copies will fill them, or ``None`` (a CPU run: nothing to lock).
     Everything happens in a thread; :meth:`ready` joins it. Call :meth:`unlock` before the tensors are freed,
@@ -38,9 +40,11 @@ class HostBuffers:
         existing: Mapping[str, torch.Tensor],
         fresh: Mapping[str, tuple[torch.Size, torch.dtype]],
         *,
+        new: Mapping[str, tuple[torch.Size, torch.dtype]] | None = None,
         lock_on: torch.device | None,
     ) -> None:
         self.existing = dict(existing)
+        self._new = dict(new or {})
         self._device = lock_on
         self.fresh: dict[str, torch.Tensor] = {}
         self._locked: dict[int, torch.Tensor] = {}
@@ -69,12 +73,14 @@ class HostBuffers:
             if lock_on is not None:
                 torch.cuda.set_device(lock_on)  # before any CUDA call: no context on another rank's GPU
             allocated = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in fresh.items()}
-            _touch(list(allocated.values()))
+            made = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self._new.items()}
+            _touch([*allocated.values(), *made.values()])
             self.fresh = allocated
+            self.existing.update(made)
             if lock_on is not None:
                 failed: dict[str, int] = {}
                 cudart = torch.cuda.cudart()
-                for tensor in _lockable([*self.existing.values(), *allocated.values()]):
+                for tensor in _lockable([*self.existing.values(), *allocated.values()]):  # made ones included
                     with self._lock:
                         error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, _REGISTER_FLAGS)
                         if int(error) != 0:  # a cudaError enum: truthy whatever its value

@@ -27,6 +27,7 @@ from stagesafe.handoff.store import (
     commit_handoff,
     delete_shards,
     plan_handoff,
+    plan_specs,
     write_shards,
 )
 from stagesafe.lightning.agree import JobChannel, describe
@@ -47,12 +48,18 @@ def owners(plan: HandoffPlan, writers: int) -> dict[str, int]:
 
 
 def names_written_by(
-    tensors: Mapping[str, torch.Tensor], *, max_shard_size: int | str, rank: int, writers: int
+    specs: Mapping[str, Mapping[str, Any]],
+    aliases: Mapping[str, str],
+    *,
+    max_shard_size: int | str,
+    rank: int,
+    writers: int,
 ) -> set[str]:
-    """The names whose shards ``rank`` writes (which shard a tensor lands in does not depend on file names)."""
+    """The names whose shards ``rank`` will write, for a state dict known by ``specs`` and tied ``aliases``
+    (as :func:`~stagesafe.handoff.store.plan_specs` takes them): the shards are those the write plans."""
     if rank >= writers:
         return set()
-    plan = plan_handoff(tensors, max_shard_size=max_shard_size)
+    plan = plan_specs(specs, aliases, max_shard_size=max_shard_size)
     return {name for file, owner in owners(plan, writers).items() if owner == rank for name in plan.shards[file]}
 
 

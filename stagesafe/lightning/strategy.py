@@ -17,11 +17,12 @@ from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
+from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.strategies.strategy import Strategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from stagesafe.errors import DistributedStageError, InvalidArgumentError
@@ -34,6 +35,7 @@ from stagesafe.lightning.history import HandoffTarget, history_of
 from stagesafe.lightning.location import Location, agree_on_location
 from stagesafe.lightning.writer import HandoffWriter
 from stagesafe.zero import engine as zero
+from stagesafe.zero.checkpoint_writer import is_weights_only, write_zero_checkpoint
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
@@ -122,11 +124,12 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         """Lightning's, which builds ``configure_model``'s layers under ``zero.Init``, noting which parameters
         were built there: partitioned by design, not left over from an earlier engine."""
         module = self.lightning_module
-        before = {id(p) for p in module.parameters()} if module is not None else set()
+        before = {id(t) for t in (*module.parameters(), *module.buffers())} if module is not None else set()
         with super().model_sharded_context():
             yield
-        if module is not None:
-            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and hasattr(p, "ds_id")}
+        if module is not None:  # zero.Init also builds the buffers there in its 16-bit dtype
+            built = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
+            self._fresh = {id(t) for t in built if id(t) not in before}
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -295,25 +298,64 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): one full-weights file."""
+        """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): the same folder layout,
+        written by rank 0 from the module's weights, which DeepSpeed's tools and a later ``ckpt_path`` read."""
         if self._engine_is_live:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
-        Strategy.save_checkpoint(self, checkpoint, filepath, storage_options)
+        filepath = self.broadcast(filepath)
+        if storage_options is not None:
+            raise TypeError(
+                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not supported for "
+                f"`{type(self).__name__}` as `CheckpointIO` is not used."
+            )
+        module = self.lightning_module
+        if self.is_global_zero and module is not None:
+            values = self._weights_between_stages(module)
+            client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            write_zero_checkpoint(
+                os.fspath(filepath), module, values=values, zero_stage=self._zero_stage, client_state=client,
+                exclude_frozen=self.exclude_frozen_parameters,
+            )
+
+    def _weights_between_stages(self, module: Module) -> Optional[Mapping[str, Any]]:
+        """None when the module holds its weights; its handoff's when it holds meta tensors."""
+        if not _has_meta_tensors(module):
+            return None
+        history = history_of(module)
+        if history is None or history.target is None:
+            raise ValueError("the module holds meta tensors and no handoff holds its weights: nothing to save")
+        for writer in self._writers():
+            if writer.pending_uri == history.target.uri:
+                raise RuntimeError("call strategy.wait_for_handoff() on every rank before saving a checkpoint")
+        from stagesafe.handoff.store import load_state_dict
+
+        return load_state_dict(history.target.uri, storage_options=history.target.storage_options)
+
+    @property
+    def _zero_stage(self) -> int:
+        self._init_config_if_needed()
+        return int((self.config or {}).get("zero_optimization", {}).get("stage", 0)) or 3
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        fitting = self._fitting
-        if os.path.isfile(os.fspath(checkpoint_path)):
-            # A full-weights file (written between stages, or by load_full_weights users)
-            return Strategy.load_checkpoint(self, checkpoint_path, weights_only)
-        if fitting:
-            return super().load_checkpoint(checkpoint_path, weights_only)
+        if self.load_full_weights and self.zero_stage_3:
+            return super().load_checkpoint(checkpoint_path, weights_only)  # one full-weights file, as stock
+        _validate_checkpoint_directory(checkpoint_path)  # Lightning's FileNotFoundError, with its hints
+        path = os.fspath(checkpoint_path)
+        if self._fitting and not is_weights_only(path):
+            return super().load_checkpoint(checkpoint_path, weights_only)  # DeepSpeed's own, optimizer included
         # DeepSpeed cannot load a checkpoint into an inference engine (its ZeRO-Offload optimizer has no
-        # _restore_from_bit16_weights): read the fp32 weights ourselves and load them into the partitions.
+        # _restore_from_bit16_weights), nor one written between stages (no optimizer state in it): read the
+        # fp32 weights ourselves and load them into the partitions.
         from stagesafe.consolidate import load_zero_checkpoint_with_client_state
 
-        values, client_state = load_zero_checkpoint_with_client_state(os.fspath(checkpoint_path))
+        if self._fitting:
+            rank_zero_warn(
+                f"{path} was written between Trainer calls and holds weights but no optimizer state: "
+                "the optimizer starts afresh from these weights"
+            )
+        values, client_state = load_zero_checkpoint_with_client_state(path)
         client_state = dict(client_state)
         client_state["state_dict"] = values
         return client_state

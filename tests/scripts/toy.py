@@ -38,15 +38,28 @@ class ToyModule(pl.LightningModule):
         frozen_hidden: bool = False,
         fail_at_step: int | None = None,
         extra_head: bool = False,
+        in_configure_model: bool = False,
     ) -> None:
+        """``in_configure_model``: the backbone is built in ``configure_model`` (under DeepSpeed's ``zero.Init``,
+        Lightning's way to build a model too large for one device), once; else here."""
         super().__init__()
-        self.backbone = backbone if backbone is not None else Backbone()
         self.lr = lr
         self.fail_at_step = fail_at_step
+        self.frozen_hidden = frozen_hidden
         self.extra_head = nn.Linear(VOCAB, VOCAB) if extra_head else None
         self.user_hook_calls = 0
+        self.backbone = None
+        if backbone is not None or not in_configure_model:
+            self._adopt(backbone if backbone is not None else Backbone())
+
+    def configure_model(self) -> None:
+        if self.backbone is None:
+            self._adopt(Backbone())
+
+    def _adopt(self, backbone: nn.Module) -> None:
+        self.backbone = backbone
         self.backbone.register_forward_hook(self._user_hook)
-        if frozen_hidden:
+        if self.frozen_hidden:
             self.backbone.hidden.requires_grad_(False)
 
     def _user_hook(self, module, args, output) -> None:

@@ -94,9 +94,12 @@ STAGES = ("fit", "validate", "test", "predict")
 
 
 def matrix_cases(strategy: str, precision: str) -> list[dict]:
-    """Every ordered pair of stages, with one Trainer and with a new Trainer per call."""
+    """Every ordered pair of stages, with one Trainer and with a new Trainer per call; and again for a module
+    whose layers are built in ``configure_model`` (under ``zero.Init``)."""
     return [
-        {"name": f"{strategy}:{a}>{b}:{mode}", "strategy": strategy, "stages": [a, b], "trainer": mode, "precision": precision}
+        {"name": f"{strategy}:{a}>{b}:{mode}{':configured' if configured else ''}", "strategy": strategy,
+         "stages": [a, b], "trainer": mode, "precision": precision, "in_configure_model": configured}
+        for configured in (False, True)
         for mode in ("one", "per_call")
         for a in STAGES
         for b in STAGES
@@ -126,6 +129,10 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "config_reuse", "stages": ["fit", "fit"], "trainer": "per_call", "user_config": user_config},
         {"name": "config_inference", "stages": ["validate", "test", "predict"], "user_config": inference_config},
         {"name": "save_between_stages", "stages": ["fit", "save@{root}/final.ckpt", "test@{root}/final.ckpt"]},
+        {"name": "save_between_stages_zero2", "stages": ["fit", "save@{root}/final.ckpt", "test@{root}/final.ckpt"],
+         "zero_stage": 2},
+        {"name": "save_between_stages_then_fit", "stages": ["fit", "save@{root}/final.ckpt", "fit@{root}/final.ckpt"],
+         "in_configure_model": True},
         {"name": "offload", "stages": ["fit", "test", "fit"], "user_config": offload_config},
         # meta mode: nothing in host memory between stages; the next engine is fed from the handoff
         {"name": "meta", "stages": ["fit", "test", "fit"], "between_stages": "meta"},
@@ -269,10 +276,12 @@ def run_case(case: dict, spec: dict) -> dict:
     torch.manual_seed(0)
     with torch.device("meta") if case.get("meta_module") else contextlib.nullcontext():
         module = ToyModule(
-            lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False), fail_at_step=case.get("fail_at_step")
+            lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False), fail_at_step=case.get("fail_at_step"),
+            in_configure_model=case.get("in_configure_model", False),
         )
     initial = {n: t.detach().clone() for n, t in module.state_dict().items()}
-    result: dict = {"initial_digest": None if case.get("meta_module") else state_digest(module), "stages": []}
+    built_later = case.get("meta_module") or case.get("in_configure_model")
+    result: dict = {"initial_digest": None if built_later else state_digest(module), "stages": []}
     strategy = trainer = None
     max_epochs = case.get("max_epochs", 1)
     for index, stage in enumerate(case["stages"]):

@@ -1,0 +1,118 @@
+"""A DeepSpeed ZeRO checkpoint folder written from a module's full weights, without an engine.
+
+Between two Trainer calls there is no engine, so ``trainer.save_checkpoint(path)`` cannot ask one to save.
+It gets what an engine of the same ZeRO stage writes during a stage, as from one rank: ``latest``, and a tag
+folder with the model-states file (Lightning's client state, buffers, parameter shapes) and the optimizer-
+states file whose fp32 partition holds every trainable parameter. DeepSpeed's own
+``convert_zero_checkpoint_to_fp32_state_dict``, ``stagesafe consolidate`` and ``trainer.test(ckpt_path=...)``
+read it. It holds no optimizer state: the optimizer went with the engine at the end of the stage; the file
+:data:`WEIGHTS_ONLY_MARKER` in the folder says so, for the strategy that loads it.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["WEIGHTS_ONLY_MARKER", "write_zero_checkpoint", "is_weights_only"]
+
+WEIGHTS_ONLY_MARKER = "stagesafe_weights_only.json"
+
+
+def write_zero_checkpoint(
+    path: str,
+    module: nn.Module,
+    *,
+    values: Mapping[str, torch.Tensor] | None = None,
+    zero_stage: int,
+    client_state: Mapping[str, Any],
+    tag: str = "checkpoint",
+    exclude_frozen: bool = False,
+) -> None:
+    """Write ``module``'s weights as a ZeRO ``zero_stage`` checkpoint folder at ``path`` (a local path), with
+    ``client_state`` in the model-states file, as an engine's ``save_checkpoint`` does. ``values`` (state-dict
+    name -> tensor) stand in for the module's own tensors, e.g. when it holds meta tensors."""
+    if zero_stage not in (1, 2, 3):
+        raise ValueError(f"zero_stage={zero_stage!r}: a ZeRO checkpoint is written for stage 1, 2 or 3")
+    named = list(module.named_parameters(remove_duplicate=False))
+    first: dict[int, str] = {}
+    shared: dict[str, str] = {}
+    trainable: OrderedDict[str, torch.Size] = OrderedDict()
+    frozen: OrderedDict[str, torch.Size] = OrderedDict()
+    given = values
+    values = {}
+    for name, param in named:
+        canonical = first.setdefault(id(param), name)
+        if canonical != name:
+            shared[name] = canonical  # tied: stored once
+            continue
+        values[name] = (given[name] if given is not None else param.detach()).to("cpu")
+        (trainable if param.requires_grad else frozen)[name] = param.shape
+    state_keys = set(module.state_dict(keep_vars=True))
+    buffers = {
+        n: (given[n] if given is not None else b.detach()).to("cpu") for n, b in module.named_buffers() if n in state_keys
+    }
+    flat = torch.cat([values[n].float().reshape(-1) for n in trainable]) if trainable else torch.zeros(0)
+    if zero_stage <= 2:
+        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 2)])  # DeepSpeed aligns a group to 2 x world
+    version = _deepspeed_version()
+    model_states: dict[str, Any] = {
+        **client_state,
+        "module": buffers,
+        "buffer_names": list(buffers),
+        "param_shapes": [trainable],
+        "frozen_param_shapes": None if exclude_frozen else frozen,
+        "frozen_param_fragments": None if exclude_frozen else _fragments(values, frozen, zero_stage),
+        "shared_params": shared,
+        "ds_version": version,
+        "dp_world_size": 1,
+        "mp_world_size": 1,
+    }
+    groups_key = "fp32_flat_groups" if zero_stage == 3 else "single_partition_of_fp32_groups"
+    optim_states = {
+        "optimizer_state_dict": {
+            "zero_stage": zero_stage,
+            "partition_count": 1 if zero_stage == 3 else [1],
+            groups_key: [flat],
+        },
+        "ds_version": version,
+    }
+    folder = os.path.join(path, tag)
+    os.makedirs(folder, exist_ok=True)
+    model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero_stage == 3 else "mp_rank_00_model_states.pt"
+    torch.save(model_states, os.path.join(folder, model_name))
+    torch.save(optim_states, os.path.join(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    with open(os.path.join(path, "latest"), "w") as f:
+        f.write(tag)
+    with open(os.path.join(path, WEIGHTS_ONLY_MARKER), "w") as f:
+        json.dump({"written_by": "stagesafe", "weights_only": True, "zero_stage": zero_stage, "tag": tag}, f)
+        f.write("\n")
+
+
+def is_weights_only(path: str) -> bool:
+    """Whether ``path`` is a checkpoint folder this module wrote (no optimizer state in it)."""
+    return os.path.isfile(os.path.join(path, WEIGHTS_ONLY_MARKER))
+
+
+def _fragments(
+    values: Mapping[str, torch.Tensor], frozen: Mapping[str, torch.Size], zero_stage: int
+) -> dict[str, torch.Tensor]:
+    """Frozen parameters as one rank holds them: whole (stages 1, 2) or as its flat partition (stage 3)."""
+    if zero_stage <= 2:
+        return {n: values[n] for n in frozen}
+    return {n: values[n].reshape(-1) for n in frozen}
+
+
+def _deepspeed_version() -> str:
+    try:
+        return importlib.metadata.version("deepspeed")
+    except importlib.metadata.PackageNotFoundError:
+        return "0"
+
