@@ -39,7 +39,7 @@ from stagesafe.restore import restore
 from stagesafe.handoff.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
 
 # Only the strategy pulls in Lightning and DeepSpeed: it loads on first use, or as soon as Lightning does.
-_LAZY = {"StageSafeDeepSpeedStrategy": "stagesafe.lightning.strategy"}
+_LAZY = {"StageSafeDeepSpeedStrategy": "stagesafe.strategy"}
 
 __all__ = [
     "StageSafeDeepSpeedStrategy",
@@ -105,10 +105,10 @@ class _ThenRegister(importlib.abc.Loader):
 
     def exec_module(self, module: Any) -> None:
         self.loader.exec_module(module)
-        importlib.import_module("stagesafe.lightning.strategy")
+        importlib.import_module("stagesafe.strategy")
 
 
 if "lightning.pytorch" in sys.modules:  # the user works with Lightning: register the strategy names now
-    importlib.import_module("stagesafe.lightning.strategy")
+    importlib.import_module("stagesafe.strategy")
 else:
     sys.meta_path.insert(0, _RegisterWithLightning())

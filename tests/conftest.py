@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+
 import pytest
 
 
@@ -22,3 +26,38 @@ def s3(s3_server):
     yield s3_server
     s3_server.clear_rules()
     s3_server.start()
+
+
+class Tmpfs:
+    """A small tmpfs mounted for one test (root with CAP_SYS_ADMIN only): a disk that can be full or read-only."""
+
+    def __init__(self, path: str, size: str) -> None:
+        self.path = path
+        os.makedirs(path)
+        if shutil.which("mount") is None:
+            pytest.skip("no mount command")
+        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "stagesafe-test", path]
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}): needs root with CAP_SYS_ADMIN")
+
+    def remount(self, mode: str) -> None:
+        subprocess.run(["mount", "-o", f"remount,{mode}", self.path], check=True, capture_output=True)
+
+    def unmount(self) -> None:
+        subprocess.run(["umount", "-l", self.path], check=False, capture_output=True)
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    mounts: list[Tmpfs] = []
+
+    def make(size: str) -> Tmpfs:
+        mounts.append(Tmpfs(str(tmp_path / f"tmpfs{len(mounts)}"), size))
+        return mounts[-1]
+
+    yield make
+    for mount in mounts:
+        mount.unmount()

@@ -128,7 +128,7 @@ def test_strategy_page_documents_every_argument():
 def test_strategy_page_lists_every_registered_name():
     from lightning.pytorch.strategies import StrategyRegistry
 
-    import stagesafe.lightning.strategy  # noqa: F401 (registers)
+    import stagesafe.strategy  # noqa: F401 (registers)
 
     names = [n for n in StrategyRegistry.available_strategies() if n.startswith("stagesafe")]
     assert len(names) == 5

@@ -27,6 +27,6 @@ def test_the_command_line_does_not_import_lightning_or_deepspeed():
 
 
 def test_public_functions_stay_functions_after_their_modules_load():
-    out = _python("import stagesafe, stagesafe.lightning.strategy, stagesafe.consolidate, stagesafe.restore\n"
+    out = _python("import stagesafe, stagesafe.strategy, stagesafe.consolidate, stagesafe.restore\n"
                   "print(callable(stagesafe.restore), callable(stagesafe.consolidate), stagesafe.StageSafeDeepSpeedStrategy.__name__)")
     assert out == "True True StageSafeDeepSpeedStrategy"

@@ -204,41 +204,6 @@ def test_a_writer_killed_from_outside_at_any_moment_of_a_large_save(tmp_path):
 # -- writes that fail for real ----------------------------------------------------------------------------------------
 
 
-class Tmpfs:
-    """A small tmpfs mounted for one test (root with CAP_SYS_ADMIN only): a disk that can be full or read-only."""
-
-    def __init__(self, path: str, size: str) -> None:
-        self.path = path
-        os.makedirs(path)
-        if shutil.which("mount") is None:
-            pytest.skip("no mount command")
-        command = ["mount", "-t", "tmpfs", "-o", f"size={size}", "stagesafe-test", path]
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here ({result.stderr.strip()}): needs root with CAP_SYS_ADMIN")
-
-    def remount(self, mode: str) -> None:
-        subprocess.run(["mount", "-o", f"remount,{mode}", self.path], check=True, capture_output=True)
-
-    def unmount(self) -> None:
-        subprocess.run(["umount", "-l", self.path], check=False, capture_output=True)
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    mounts: list[Tmpfs] = []
-
-    def make(size: str) -> Tmpfs:
-        mounts.append(Tmpfs(str(tmp_path / f"tmpfs{len(mounts)}"), size))
-        return mounts[-1]
-
-    yield make
-    for mount in mounts:
-        mount.unmount()
-
-
 def _described(exc: BaseException) -> dict:
     return {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
 

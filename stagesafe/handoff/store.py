@@ -74,6 +74,7 @@ __all__ = [
     "ShardRecord",
     "Commit",
     "commit",
+    "check_present",
     "commit_handoff",
     "delete_shards",
     "live_files",
@@ -506,6 +507,22 @@ def read_small(fs: fsspec.AbstractFileSystem, path: str, *, limit: int = 4096) -
 def remove_file(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """Delete one file, best effort (a leftover is deleted by a later save once it is old)."""
     _remove(fs, path)
+
+
+def check_present(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Raise ``HandoffNotFoundError`` or ``HandoffCorruptError`` unless the committed handoff at ``uri`` is
+    there whole: its manifest valid, every shard it names present with the size it records. Cheap (no shard
+    is read); returns the manifest."""
+    fs, root = resolve(uri, storage_options)
+    manifest = _fetch_manifest(fs, root, RetryPolicy(attempts=1))
+    fs.invalidate_cache(root)
+    sizes = {basename(e["name"]): e.get("size") for e in fs.ls(root, detail=True) if e.get("type") == "file"}
+    url = url_of(fs, root)
+    for file_name, record in manifest["shards"].items():
+        if file_name not in sizes:
+            raise HandoffCorruptError(_missing_message(url, file_name))
+        _check_bytes(url, file_name, record, sizes[file_name], None)
+    return manifest
 
 
 def read_manifest(

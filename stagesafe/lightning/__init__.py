@@ -1,2 +1,2 @@
-"""The Lightning side: the strategy and the machinery of one Trainer call's passage (boundary, background
-writer, host memory, rank agreement). Importing it imports Lightning and DeepSpeed."""
+"""The machinery of one Trainer call's passage under :mod:`stagesafe.strategy`: the stage boundary, the
+background handoff writer, host memory, and the ranks agreeing through the job's key-value store."""

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from stagesafe.errors import StaleDeepSpeedStateError
-from stagesafe.handoff.store import HandoffReader, plan_handoff, save_state_dict, save_streamed
+from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, StaleDeepSpeedStateError
+from stagesafe.handoff.store import HandoffReader, check_present, plan_handoff, save_state_dict, save_streamed
 from stagesafe.lightning import dist
 from stagesafe.lightning.history import (
     HandoffTarget,
@@ -143,6 +143,7 @@ class StageBoundary:
                 history.weights_from = {"resumed_from": resume_from.uri}
         history.note_names(tensors, fresh=built_16bit)
         self.history = history
+        self._still_there(history, on_meta)
         self._footprint = zero.take_footprint(self.module, fresh=self._fresh)
         self._entry = {n: t for n, t in tensors.items() if n not in self._fresh_names}
         if self.training and not on_meta and not self.meta:
@@ -167,6 +168,27 @@ class StageBoundary:
             dist.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source.uri}")
             self._entry = reader
         self.report.enter_seconds = time.perf_counter() - start
+
+    def _still_there(self, history: ModuleHistory, on_meta: bool) -> None:
+        """The handoff that holds the module's weights may have been deleted or damaged since it was written
+        (rank 0 looks; every rank acts on what it saw). A module with weights writes it again at this stage;
+        a module of meta tensors has nothing to write it from: its error is raised, naming the handoff."""
+        source = history.target
+        if source is None or history.fingerprint is None or self.writer.pending_uri == source.uri:
+            return
+        if source != self.target and not on_meta:
+            return  # the module's weights go to this stage's handoff in any case
+        absent = dist.on_rank_zero(lambda: _absence(source), f"looking at the handoff {source.uri}")
+        if absent is None:
+            return
+        missing, error = absent
+        if on_meta:
+            raise (HandoffNotFoundError if missing else HandoffCorruptError)(
+                f"the module holds meta tensors, and the handoff that holds its weights is gone or damaged: {error}. "
+                "Nothing can rebuild them here: resume from another copy (resume_from=URI on a fresh module)"
+            )
+        log.warning("stagesafe: %s; this stage writes the module's weights there again", error)
+        history.lost()
 
     def _resume(self, source: HandoffTarget) -> dict[str, torch.Tensor]:
         """Every rank loads and checks the handoff; none changes its module unless all can."""
@@ -544,6 +566,17 @@ class StageBoundary:
             dtype, device = history.original.get(name, (value.dtype, value.device))
             placed[name] = value.to(device="cpu" if device.type == "meta" else device, dtype=dtype)
         assign_values(self.module, placed)
+
+
+def _absence(target: HandoffTarget) -> tuple[bool, str] | None:
+    """Why the handoff at ``target`` is not there whole (``missing``: it is gone), or None."""
+    try:
+        check_present(target.uri, storage_options=target.storage_options)
+    except HandoffNotFoundError as exc:
+        return True, str(exc)
+    except HandoffCorruptError as exc:
+        return False, str(exc)
+    return None
 
 
 def _join_elsewhere(history: ModuleHistory | None, writer: HandoffWriter) -> None:

@@ -40,7 +40,8 @@ def _describe(exc: BaseException) -> str:
 
 
 def on_rank_zero(fn: Callable[[], T], what: str) -> T | None:
-    """Run ``fn`` on rank 0 only; if it raises, raise on every rank (rank 0 re-raises its own error)."""
+    """Run ``fn`` on rank 0 only and return its (small, picklable) result on every rank; if it raises, raise
+    on every rank (rank 0 re-raises its own error)."""
     result, error = None, None
     if rank() == 0:
         try:
@@ -48,10 +49,11 @@ def on_rank_zero(fn: Callable[[], T], what: str) -> T | None:
         except BaseException as exc:  # noqa: BLE001 - reported to every rank below
             error = exc
     if _active():
-        box = [None if error is None else _describe(error)]
+        box = [(None, result) if error is None else (_describe(error), None)]
         dist.broadcast_object_list(box, src=0)
-        if box[0] is not None and error is None:
-            raise DistributedStageError(f"{what} failed on rank 0: {box[0]}")
+        failure, result = box[0]
+        if failure is not None and error is None:
+            raise DistributedStageError(f"{what} failed on rank 0: {failure}")
     if error is not None:
         raise error
     return result

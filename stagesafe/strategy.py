@@ -113,8 +113,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._boundary: StageBoundary | None = None
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
         self._calls = 0
-        self._last_ending: Ending | None = None  # a call that some rank left elsewhere: meet before the next
-        self._failed_ranks: list[int] | None = None  # ranks of such a call: later collectives may fail
+        self._last_ending: Ending | None = None  # a call that failed on some rank: meet before the next
+        self._failed_ranks: list[int] | None = None  # its failed ranks: later collectives may find the group broken
         self.last_boundary: BoundaryReport | None = None
 
     # -- entering a stage -------------------------------------------------------------------------------------
@@ -255,7 +255,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         for writer in self._writers():
             writer.wait_device()
         ending, self._last_ending = self._last_ending, None
-        if ending is not None and ending.broken and self._writer is not None:
+        if ending is not None and self._writer is not None:
             channel = self._writer.channel.sub(f"call-{self._calls}/met")
             try:
                 channel.exchange("here", "", what="the next Trainer call")
@@ -275,7 +275,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 raise
             raise DistributedStageError(
                 f"the job's process group is broken ({type(exc).__name__}: {str(exc)[:300]}): an earlier Trainer "
-                f"call failed on rank(s) {self._failed_ranks} while other ranks were still inside it. "
+                f"call failed on rank(s) {self._failed_ranks}, and a collective timed out since, on some rank. "
                 f"torch.distributed cannot recover in this process. {_RESTART}"
             ) from exc
 
@@ -393,9 +393,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         failed = trainer is None or trainer.state.status != TrainerStatus.RUNNING
         assert self._writer is not None
-        ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=_FAILURE_GRACE)
-        if ending.broken:
-            self._last_ending, self._failed_ranks = ending, list(ending.failed)
+        grace = min(_FAILURE_GRACE, self._writer.timeout)
+        ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=grace)
+        if ending.failed or ending.broken:  # the next call meets first; its collectives may find the group broken
+            self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
         try:
             self.last_boundary = boundary.exit(
                 engine,

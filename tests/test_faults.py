@@ -1,0 +1,121 @@
+"""Faults in 2-rank CPU jobs (ZeRO-3, bf16, one process per rank), each surfacing with its real cause.
+
+Every case asserts each rank's exit status, the error each rank saw, and the handoff afterwards. The cases
+where one rank fails alone wait for the process group's timeout (20 s here) and are marked ``slow``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import stagesafe
+from _launch import LaunchError, run_ranks
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SCRIPT = os.path.join(HERE, "scripts", "faults.py")
+PAGE = 4096
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def _run(case: str, root, handoff: str | None = None, *, expect_ok: bool = True):
+    args = [case, str(root)] + ([handoff] if handoff else [])
+    try:
+        results = run_ranks(SCRIPT, args, timeout=300, cwd=str(root))
+    except LaunchError as failed:
+        if expect_ok:
+            raise
+        results = failed.results
+    records = [[json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RECORD ")] for r in results]
+    return results, records
+
+
+def _full_disk(tmpfs) -> str:
+    """A handoff folder on a 64 KiB disk that a file beside it fills but for one page: room for the strategy's
+    probe of the folder, none for the handoff."""
+    disk = tmpfs("64k")
+    with open(os.path.join(disk.path, "filler"), "wb") as f:
+        f.write(b"\0" * (64 * 1024 - PAGE))
+    return os.path.join(disk.path, "handoff")
+
+
+def _error(record: dict) -> str:
+    return "" if record["error"] is None else f"{record['error']['type']}: {record['error']['message']}"
+
+
+def test_a_background_write_that_fails_as_the_script_ends_fails_every_rank_and_leaves_nothing(tmpfs, tmp_path):
+    handoff = _full_disk(tmpfs)
+    results, records = _run("disk_full_at_exit", tmp_path, handoff, expect_ok=False)
+    assert [r.returncode for r in results] == [1, 1]
+    assert records[0][0]["error"] is None  # fit itself returned
+    assert "No space left on device" in results[0].stderr
+    assert "failed on rank 0" in results[1].stderr
+    assert [f for f in os.listdir(handoff) if not f.startswith(".")] == []  # the failed write left no file
+
+
+def test_a_failed_background_write_is_raised_by_the_next_fit_on_every_rank(tmpfs, tmp_path):
+    handoff = _full_disk(tmpfs)
+    results, records = _run("disk_full_then_fit", tmp_path, handoff)
+    for rank in (0, 1):
+        first, raised, again, joined = records[rank]
+        assert first["error"] is None
+        assert raised["error"] is not None and raised["digest"] == first["digest"]  # nothing lost
+        assert ("No space left" if rank == 0 else "failed on rank 0") in _error(raised)
+        assert again["error"] is None
+    assert records[0][3]["handoff_digest"] == records[0][2]["digest"]
+
+
+def test_a_deleted_handoff_is_written_again_by_the_next_stage(tmp_path):
+    _, records = _run("vanished", tmp_path)
+    fit, joined, test, rejoined = records[0]
+    assert joined["handoff_digest"] == fit["digest"]
+    assert test["error"] is None and rejoined["error"] is None
+    assert rejoined["handoff_digest"] == fit["digest"] == test["digest"]  # there again, the same bits
+
+
+def test_a_deleted_handoff_in_meta_mode_is_named_on_every_rank_before_anything_touches_meta_tensors(tmp_path):
+    _, records = _run("vanished_meta", tmp_path)
+    for rank in (0, 1):
+        test = records[rank][2]
+        assert test["error"]["type"] == "HandoffNotFoundError", _error(test)
+        assert "FileNotFoundError" in test["error"]["mro"]
+        assert str(tmp_path / "handoff") in test["error"]["message"]
+        assert "NotImplementedError" not in test.get("traceback", "")
+
+
+def test_a_rewritten_handoff_names_the_stage_and_step_its_weights_come_from(tmpfs, tmp_path):
+    handoff = _full_disk(tmpfs)
+    _, records = _run("failed_write_metadata", tmp_path, handoff)
+    fit, failed_join, test, joined = records[0]
+    assert "No space left" in _error(failed_join)
+    assert test["error"] is None and joined["error"] is None
+    assert joined["handoff_digest"] == fit["digest"]
+    meta = joined["handoff_metadata"]
+    assert (meta["stage"], meta["global_step"]) == ("fit", 4), meta
+
+
+@pytest.mark.slow
+def test_one_rank_failing_in_validation_never_aborts_the_other_and_the_next_call_says_why(tmp_path):
+    results, records = _run("one_rank_fails_in_validation", tmp_path)
+    assert [r.returncode for r in results] == [0, 0]  # no SIGABRT from a mismatched collective
+    assert "rank 1 fails alone in validation_step" in _error(records[1][0])
+    assert records[0][0]["error"] is not None  # rank 0's collective timed out
+    for rank in (0, 1):
+        fit = records[rank][1]
+        assert fit["error"]["type"] == "DistributedStageError", _error(fit)
+        assert "restart the job" in fit["error"]["message"].lower() and "resume_from" in fit["error"]["message"]
+        assert fit["digest"] is not None  # the module still holds its weights
+
+
+@pytest.mark.slow
+def test_after_one_rank_failed_in_training_later_calls_say_the_process_group_is_broken(tmp_path):
+    results, records = _run("one_rank_fails_in_training", tmp_path)
+    assert [r.returncode for r in results] == [0, 0]
+    assert "rank 1 fails alone in training_step" in _error(records[1][0])
+    for rank in (0, 1):
+        test = records[rank][1]
+        assert test["error"]["type"] == "DistributedStageError", _error(test)
+        assert "resume_from" in test["error"]["message"]
