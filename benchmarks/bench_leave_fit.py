@@ -155,6 +155,7 @@ def main() -> None:
             "write_s": report.phases.get("handoff_write"), "private_copy_s": report.phases.get("handoff_write_private_copy"),
             "boundary_s": report.seconds, "consolidate_s": report.phases.get("consolidate"),
             "handoff_bytes": report.handoff_bytes, "module_equals_handoff": same,
+            "phases": {k: round(v, 4) for k, v in report.phases.items()},
         })
         del trainer, module, strategy
         gc.collect()

@@ -124,12 +124,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         """Lightning's, which builds ``configure_model``'s layers under ``zero.Init``, noting which parameters
         were built there: partitioned by design, not left over from an earlier engine."""
         module = self.lightning_module
-        before = {id(t) for t in (*module.parameters(), *module.buffers())} if module is not None else set()
+        before = {id(p) for p in module.parameters()} if module is not None else set()
         with super().model_sharded_context():
             yield
-        if module is not None:  # zero.Init also builds the buffers there in its 16-bit dtype
-            built = [*module.parameters(), *(b for b in module.buffers() if b.is_floating_point())]
-            self._fresh = {id(t) for t in built if id(t) not in before}
+        if module is not None:
+            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and hasattr(p, "ds_id")}
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:

@@ -127,7 +127,6 @@ class StageBoundary:
         tensors = state_tensors(self.module)
         params = dict(self.module.named_parameters(remove_duplicate=False))
         self._fresh_names = {n for n, p in params.items() if id(p) in self._fresh and hasattr(p, "ds_id")}
-        built_16bit = {n for n, t in (*params.items(), *self.module.named_buffers()) if id(t) in self._fresh}
         on_meta = any(t.device.type == "meta" for t in tensors.values())
         if on_meta and self._materialize is None:
             raise ValueError(
@@ -141,7 +140,7 @@ class StageBoundary:
             if resume_from is not None:
                 history.target = resume_from if on_meta else None
                 history.weights_from = {"resumed_from": resume_from.uri}
-        history.note_names(tensors, fresh=built_16bit)
+        history.note_names(tensors, fresh=self._fresh_names)
         self.history = history
         self._still_there(history, on_meta)
         self._footprint = zero.take_footprint(self.module, fresh=self._fresh)
@@ -463,6 +462,7 @@ class StageBoundary:
         )
         entry = self._entry or {}
         wanted = set(specs) if trained else self._fresh_names
+        gathered.gather_masters([n for n in specs if n in wanted and n not in aliases])
         values: dict[str, torch.Tensor] = {}
         for name in specs:  # the same order on every rank: each lookup is a collective
             if name in aliases:

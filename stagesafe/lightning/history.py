@@ -62,19 +62,14 @@ class ModuleHistory:
         return self._writer() if self._writer is not None else None
 
     def note_names(self, tensors: Mapping[str, torch.Tensor], fresh: Iterable[str] = ()) -> None:
-        """Keep the original dtype and device of every current name; a name new to the module takes its own.
-        ``fresh``: tensors DeepSpeed's ``zero.Init`` just built, in its 16-bit dtype (parameters partitioned
-        too): what the code that built them asked for is torch's default dtype (the fp32 masters' too), on
-        the CPU."""
+        """Keep the original dtype and device of every current name; a name new to the module takes its own:
+        the dtype it was built in (Lightning builds ``configure_model``'s layers in the precision's dtype, as
+        stock keeps them). ``fresh``: parameters DeepSpeed's ``zero.Init`` just built and partitioned; their
+        place between stages is the CPU."""
         fresh = set(fresh)
         for name, tensor in tensors.items():
-            if name in self.original:
-                continue
-            if name in fresh:
-                dtype = torch.get_default_dtype() if tensor.is_floating_point() else tensor.dtype
-                self.original[name] = (dtype, torch.device("cpu"))
-            else:
-                self.original[name] = (tensor.dtype, tensor.device)
+            if name not in self.original:
+                self.original[name] = (tensor.dtype, torch.device("cpu") if name in fresh else tensor.device)
         for name in [n for n in self.original if n not in tensors]:
             del self.original[name]
 

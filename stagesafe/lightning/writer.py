@@ -288,7 +288,8 @@ def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
     uri = writer.pending_uri
     try:
         writer.join_at_exit()
-        log.info("stagesafe: the handoff %s was committed before the interpreter exited", uri)
+        if writer.rank == 0:
+            log.info("stagesafe: the handoff %s was committed before the interpreter exited", uri)
         return
     except KeyboardInterrupt:
         message = f"interrupted while the handoff {uri!r} was being written; it was not committed"
