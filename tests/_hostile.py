@@ -28,9 +28,11 @@ __all__ = [
     "MANIFEST",
     "forge_manifest",
     "opened_files",
+    "outside",
     "replace_shard",
     "run_python",
     "safetensors_bytes",
+    "write_zero_checkpoint",
 ]
 
 
@@ -78,6 +80,82 @@ def replace_shard(root: str, data: bytes, tensors: Mapping[str, tuple[str, list[
     return shard
 
 
+# -- DeepSpeed checkpoints, laid out as DeepSpeed does, without DeepSpeed ------------------------------------------
+
+
+def write_zero_checkpoint(
+    folder: str,
+    params: Mapping[str, Any],
+    *,
+    stage: int = 3,
+    world_size: int = 2,
+    buffers: Mapping[str, Any] | None = None,
+    tag: str = "global_step1",
+    edit: Callable[[str, int, dict], None] | None = None,
+) -> str:
+    """Write a ZeRO checkpoint of fp32 ``params`` (and ``buffers``) at ``folder`` in DeepSpeed's layout: ``latest``
+    naming ``tag``, and per rank an optimizer file with the rank's partition of the flat fp32 masters and model
+    states (ZeRO-3: one per rank; ZeRO-1/2: ``mp_rank_00_model_states.pt``). ``edit(kind, rank, states)``
+    (``kind`` "optim" or "model") may change what is saved, as an attacker would. Returns ``folder``."""
+    import math
+    from collections import OrderedDict
+
+    import torch
+
+    buffers = dict(buffers or {})
+    tag_dir = os.path.join(folder, tag)
+    os.makedirs(tag_dir, exist_ok=True)
+    with open(os.path.join(folder, "latest"), "w") as f:
+        f.write(tag)
+    shapes = OrderedDict((name, torch.Size(t.shape)) for name, t in params.items())
+    values = [t.detach().reshape(-1).float() for t in params.values()]
+    if stage == 3:  # each param split in world_size parts of ceil(numel / world_size), padded with zeros
+        parts: list[list] = [[] for _ in range(world_size)]
+        for v in values:
+            part = math.ceil(v.numel() / world_size)
+            padded = torch.cat([v, torch.zeros(part * world_size - v.numel())])
+            for rank in range(world_size):
+                parts[rank].append(padded[rank * part : (rank + 1) * part])
+        flats = [torch.cat(p) if p else torch.empty(0) for p in parts]
+    else:  # one group: every param in order, padded to a multiple of 2 * world_size, cut in world_size parts
+        joined = torch.cat(values) if values else torch.empty(0)
+        total = math.ceil(joined.numel() / (2 * world_size)) * 2 * world_size
+        joined = torch.cat([joined, torch.zeros(total - joined.numel())])
+        flats = list(joined.split(total // world_size)) if total else [torch.empty(0)] * world_size
+    groups_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
+    module = OrderedDict((name, t.clone()) for name, t in buffers.items())
+    if stage < 3:
+        module.update((name, t.detach().clone()) for name, t in params.items())
+    for rank in range(world_size):
+        optim = {
+            "optimizer_state_dict": {
+                "zero_stage": stage,
+                "partition_count": world_size if stage == 3 else [world_size],
+                groups_key: [flats[rank].clone()],
+                "exp_avg": [torch.zeros_like(flats[rank])],
+            },
+            "ds_version": "0.19.8",
+        }
+        if edit is not None:
+            edit("optim", rank, optim)
+        torch.save(optim, os.path.join(tag_dir, f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"))
+        if stage == 3 or rank == 0:
+            model = {
+                "module": OrderedDict(module),
+                "buffer_names": list(buffers),
+                "param_shapes": [OrderedDict(shapes)],
+                "frozen_param_shapes": None,
+                "shared_params": {},
+                "ds_version": "0.19.8",
+                "global_steps": 1,
+            }
+            if edit is not None:
+                edit("model", rank, model)
+            name = f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt" if stage == 3 else "mp_rank_00_model_states.pt"
+            torch.save(model, os.path.join(tag_dir, name))
+    return folder
+
+
 # -- what the process opens ------------------------------------------------------------------------------------------
 
 _recording: list[list[str]] = []
@@ -119,11 +197,34 @@ def outside(paths: list[str], folder: str) -> list[str]:
 # -- a reader in a process of its own ----------------------------------------------------------------------------
 
 
-def run_python(code: str, *, timeout: float = 120, cwd: str | None = None) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter that imports this checkout, with a timeout: a reader that crashes
-    (SIGSEGV, SIGBUS) or hangs fails the test instead of taking pytest down with it. The timeout kills it."""
+def run_python(
+    code: str,
+    *args: str,
+    timeout: float = 120,
+    memory: int | None = None,
+    file_size: int | None = None,
+) -> subprocess.CompletedProcess:
+    """Run ``code`` (with ``args`` as ``sys.argv[1:]``) in a fresh interpreter that imports this checkout, with a
+    timeout: a reader that crashes (SIGSEGV, SIGBUS), hangs or eats memory fails the test instead of taking
+    pytest down with it. ``memory`` caps its address space, ``file_size`` the files it writes (RLIMIT_FSIZE;
+    Python ignores SIGXFSZ, so a write past it fails with EFBIG)."""
+    import resource
+
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
     env.update(DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([REPO, HERE]))
+
+    def limits() -> None:
+        if memory is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
+        if file_size is not None:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (file_size, file_size))
+
     return subprocess.run(
-        [sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-c", code, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        preexec_fn=limits,
     )

@@ -21,7 +21,7 @@ import fsspec
 from stagesafe.errors import StageSafeError, shown
 from stagesafe.handoff.fs import is_local, join
 
-__all__ = ["open_in", "read_in", "size_of"]
+__all__ = ["open_in", "open_local", "read_in", "size_of"]
 
 _FLAGS = (
     os.O_RDONLY
@@ -38,15 +38,14 @@ def open_in(
 ) -> IO[bytes]:
     """Open ``root/name`` for reading, unbuffered; raise ``error`` naming it as ``what`` if it is not a plain
     name of a regular file inside ``root``. A missing file raises ``FileNotFoundError``, as ``open`` does."""
-    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
-        raise error(f"{what}: {shown(name)} is not a plain file name; a file is named by its name alone")
     if not is_local(fs):
+        _check_name(name, error=error, what=what)
         path = join(root, name)
         kind = fs.info(path).get("type")
         if kind != "file":
             raise error(f"{what} is a {shown(kind)}, not a file; it was not read")
         return fs.open(path, "rb")
-    return _open_local(root, name, error=error, what=what)
+    return open_local(root, name, error=error, what=what)
 
 
 def read_in(
@@ -75,7 +74,10 @@ def size_of(f: IO[bytes]) -> int:
         return size
 
 
-def _open_local(root: str, name: str, *, error: type[StageSafeError], what: str) -> IO[bytes]:
+def open_local(root: str, name: str, *, error: type[StageSafeError], what: str) -> IO[bytes]:
+    """:func:`open_in` for a folder on the local disk: ``root/name`` opened unbuffered, if it is a regular file
+    inside ``root`` once symbolic links are followed; ``os.fstat(f.fileno())`` is the file checked."""
+    _check_name(name, error=error, what=what)
     path = os.path.join(root, name)
     os.lstat(path)  # FileNotFoundError for a missing file (a dangling link too is checked below)
     folder = os.path.realpath(root)
@@ -102,6 +104,11 @@ def _open_local(root: str, name: str, *, error: type[StageSafeError], what: str)
     except BaseException:
         os.close(fd)
         raise
+
+
+def _check_name(name: str, *, error: type[StageSafeError], what: str) -> None:
+    if not isinstance(name, str) or not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        raise error(f"{what}: {shown(name)} is not a plain file name; a file is named by its name alone")
 
 
 def _kind(mode: int) -> str:

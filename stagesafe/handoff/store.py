@@ -112,14 +112,15 @@ class ShardRecord:
 
 @dataclass(frozen=True)
 class Pieces:
-    """A tensor given as the consecutive pieces of its flattened values (views of mapped files, say), so that
-    :func:`write_shard` writes them as they are instead of joining them into a new tensor first.
+    """A tensor given as the consecutive pieces of its flattened values (views of mapped files, or pieces read
+    one at a time as ``parts`` is iterated, which it is once), so that :func:`write_shard` writes them as they
+    are instead of joining them into a new tensor first.
 
     ``done(piece)`` is called once a piece's bytes are in the file (a reader can give its pages back)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    parts: tuple[torch.Tensor, ...]
+    parts: Iterable[torch.Tensor]
     done: Callable[[torch.Tensor], None] | None = None
 
 
