@@ -935,6 +935,8 @@ def _index_of_an_interrupted_save(
     by_shard: dict[str, set[str]] = {}
     for name, file_name in weight_map.items():
         by_shard.setdefault(file_name, set()).add(name)
+    if not by_shard:  # names no shard at all: nothing shows it is a save's
+        return False
     for file_name, names in by_shard.items():
         what = f"{where}: shard {file_name!r} it names"
         try:
@@ -1103,9 +1105,12 @@ class HandoffReader(Mapping):
         file_name = self.manifest["weight_map"][stored]
         if self._cached[0] != file_name:
             self._cached = (None, {})  # drop the previous shard before reading the next
-            tensors = _read_shard(
-                self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry
-            )
+            try:
+                tensors = _read_shard(
+                    self._fs, self._root, self.manifest, file_name, torch.device("cpu"), retry=self._retry
+                )
+            except _ShardVanished as exc:
+                raise HandoffCorruptError(str(exc)) from None
             self._cached = (file_name, tensors)
         return self._cached[1][stored]
 
