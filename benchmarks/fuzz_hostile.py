@@ -88,9 +88,8 @@ def main() -> int:
         print(f"{target}: {cases} cases in {took:.0f} s {json.dumps(totals, sort_keys=True)}", flush=True)
         if proc.returncode != 0:
             failures += 1
-            how = (
-                f"killed by {signal.Signals(-proc.returncode).name}" if proc.returncode < 0 else f"exit {proc.returncode}"
-            )
+            code = proc.returncode
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
             case = open(case_log).read() if os.path.exists(case_log) else "(none logged)"
             print(f"{target}: FAILED ({how}); last case: {case[:2000]}", flush=True)
             print(proc.stderr[-6000:], flush=True)

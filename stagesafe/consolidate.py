@@ -246,7 +246,8 @@ def _plan(ckpt: ZeroCheckpoint, out: torch.dtype | None, limit: int, *, taken: s
     for name in ckpt.state_dict_names():
         spec = ckpt.tensors[ckpt.aliases.get(name, name)]
         try:
-            check_tensor(name, _dtype_name(_out_dtype(spec.dtype, out)), spec.shape, where="the checkpoint's state dict")
+            dtype = _dtype_name(_out_dtype(spec.dtype, out))
+            check_tensor(name, dtype, spec.shape, where="the checkpoint's state dict")
         except InvalidArgumentError as exc:
             raise CheckpointFormatError(
                 f"{ckpt.tag_url!r}: {exc}. Nothing was written; load_zero_checkpoint reads such a tensor into memory"

@@ -409,7 +409,8 @@ def _crafted(tmp_path, edit=None, **options) -> str:
 def test_a_crafted_checkpoint_in_deepspeeds_layout_reads_as_written(tmp_path):
     """The helper that crafts the hostile files writes checkpoints the reader accepts, for both layouts."""
     for stage in (2, 3):
-        path = write_zero_checkpoint(str(tmp_path / f"s{stage}"), _params(), stage=stage, buffers={"n": torch.arange(3)})
+        buffers = {"n": torch.arange(3)}
+        path = write_zero_checkpoint(str(tmp_path / f"s{stage}"), _params(), stage=stage, buffers=buffers)
         values = load_zero_checkpoint(path)
         assert_bit_equal(values, {**_params(), "n": torch.arange(3)})
 
@@ -586,7 +587,8 @@ def test_a_rank_file_that_links_outside_its_folder_is_refused_unopened(tmp_path)
 @pytest.mark.parametrize("what", ["rank_file", "latest"])
 def test_a_fifo_in_a_checkpoint_never_blocks_the_reader(tmp_path, what):
     src = _crafted(tmp_path)
-    victim = os.path.join(src, "latest" if what == "latest" else "global_step1/zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    name = "latest" if what == "latest" else "global_step1/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim = os.path.join(src, name)
     os.remove(victim)
     os.mkfifo(victim)
     result = run_python(

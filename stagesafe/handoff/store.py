@@ -795,7 +795,9 @@ def _json(raw: bytes, where: str) -> Any:
         reason = "nested too deeply"
     except ValueError as exc:  # an integer of more digits than Python converts
         reason = clip(str(exc), 160)
-    raise HandoffCorruptError(f"{where} is not valid JSON ({reason}); it was damaged or edited, write the handoff again")
+    raise HandoffCorruptError(
+        f"{where} is not valid JSON ({reason}); it was damaged or edited, write the handoff again"
+    )
 
 
 def _not_found_message(fs: fsspec.AbstractFileSystem, root: str) -> str:
@@ -884,7 +886,9 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
             retry=retry,
         )
     except FileNotFoundError:
-        raise HandoffCorruptError(f"{where} is missing; Hugging Face loaders need it, write the handoff again") from None
+        raise HandoffCorruptError(
+            f"{where} is missing; Hugging Face loaders need it, write the handoff again"
+        ) from None
     weight_map, total_size = _index_entries(_json(raw, where), where)
     if weight_map != manifest["weight_map"] and _index_of_an_interrupted_save(fs, root, weight_map, where):
         log.warning(

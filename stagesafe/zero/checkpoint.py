@@ -345,7 +345,8 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
     if tag is not None:
         if tag in dirs and tag in tags:
             return tag, join(root, tag), "deepspeed"
-        hint = f"tags present: {shown(tags[:20], 400)}" if tags else f"it holds no tag folder with rank files; {_EXPECTED}"
+        present = f"tags present: {shown(tags[:20], 400)}"
+        hint = present if tags else f"it holds no tag folder with rank files; {_EXPECTED}"
         raise CheckpointFormatError(f"{url!r} has no tag folder {tag!r} (named by --tag (tag=)); {hint}")
     if tags:
         raise CheckpointFormatError(
@@ -356,7 +357,8 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
     if inner:
         examples = ", ".join(repr(url_of(fs, join(root, d))) for d in inner[-3:])
         raise CheckpointFormatError(
-            f"{url!r} is not a DeepSpeed checkpoint but holds {len(inner)} of them in sub-folders; pass one, e.g. {examples}"
+            f"{url!r} is not a DeepSpeed checkpoint but holds {len(inner)} of them in sub-folders; pass one, "
+            f"e.g. {examples}"
         )
     if parent and (fs.isfile(join(parent, "latest")) or _has_rank_files(fs, parent)):
         raise CheckpointFormatError(
@@ -607,7 +609,9 @@ def _build(
     param_shapes = model0["param_shapes"]
     if isinstance(param_shapes, Mapping):
         param_shapes = [param_shapes]
-    param_shapes = [check.mapping(group, "a group of param_shapes") for group in check.sequence(param_shapes, "param_shapes")]
+    param_shapes = [
+        check.mapping(group, "a group of param_shapes") for group in check.sequence(param_shapes, "param_shapes")
+    ]
     trained = {name for group in param_shapes for name in group}
     shared = dict(check.mapping(model0.get("shared_params") or {}, "shared_params"))
 
