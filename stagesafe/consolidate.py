@@ -103,9 +103,9 @@ def consolidate(
         try:
             return store.commit(fs, root, plan, records, metadata=metadata)
         except BaseException:
-            if not taken:  # nothing was committed there before: leave nothing (else the next save cleans up)
+            if not taken and not _exists(fs, join(root, MANIFEST_NAME)):  # no handoff there, before or now
                 _remove(fs, [join(root, name) for name in (*records, INDEX_NAME)], root if not existed else None)
-            raise
+            raise  # else the index and the shards are an interrupted save's, which the next save cleans up
 
 
 def load_zero_checkpoint(
@@ -302,6 +302,13 @@ def _write_shards(
         _remove(fs, [join(root, name) for name in records], root if remove_root else None)
         raise
     return records
+
+
+def _exists(fs: Any, path: str) -> bool:
+    try:
+        return fs.exists(path)
+    except Exception:  # noqa: BLE001 - the store is failing: say it exists, so nothing is removed
+        return True
 
 
 def _remove(fs: Any, paths: list[str], root: str | None) -> None:

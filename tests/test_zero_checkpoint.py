@@ -598,3 +598,17 @@ def test_a_fifo_in_a_checkpoint_never_blocks_the_reader(tmp_path, what):
     assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
     expected = "missing rank files" if what == "rank_file" else "no 'latest' file"  # a FIFO is not a file
     assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_client_state_tensors_are_read_once_per_storage_and_never_beyond_the_file(tmp_path):
+    big = torch.arange(1000.0)
+
+    def edit(kind, rank, states):
+        if kind == "model":
+            states["callbacks"] = {"views": [big[i : i + 10] for i in range(0, 1000, 10)], "whole": big}
+
+    _, client = load_zero_checkpoint_with_client_state(_crafted(tmp_path, edit))
+    views = client["callbacks"]["views"]
+    assert all(torch.equal(v, big[i * 10 : i * 10 + 10]) for i, v in enumerate(views))
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one storage, read once, as torch.load shares it
+    assert torch.equal(client["callbacks"]["whole"], big)

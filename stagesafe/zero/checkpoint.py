@@ -132,7 +132,7 @@ class ZeroCheckpoint:
         aliases: dict[str, str],
         sources: dict[str, _Source],
         files: list[RankFile],
-        client_state: dict[str, Any],
+        client_state: tuple[RankFile, dict[str, Any]],
         staging_dir: str | None,
     ):
         self.url = url  #: the folder as given
@@ -144,12 +144,22 @@ class ZeroCheckpoint:
         self.ds_version = ds_version
         self.tensors = specs  #: stored tensors in DeepSpeed's state-dict order: buffers, frozen, trained
         self.aliases = aliases  #: tied name -> the stored name it shares its tensor with
-        self.client_state = client_state  #: non-DeepSpeed entries of rank 0's model states (Lightning's, say)
+        self._unread_client_state: tuple[RankFile, dict[str, Any]] | None = client_state  # read on first use
+        self._client_state: dict[str, Any] = {}
         self._sources = sources
         self._files = files
         self._staging_dir = staging_dir
 
     # -- description --------------------------------------------------------------------------------------------
+    @property
+    def client_state(self) -> dict[str, Any]:
+        """The non-DeepSpeed entries of rank 0's model states (Lightning's, say), their tensors read on first use."""
+        if self._unread_client_state is not None:
+            file, states = self._unread_client_state
+            self._client_state = {k: _materialize(file, v) for k, v in states.items()}
+            self._unread_client_state = None
+        return dict(self._client_state)
+
     def state_dict_names(self) -> list[str]:
         """Every name of the state dict, tied names last, as DeepSpeed's reader orders them."""
         return [*self.tensors, *self.aliases]
@@ -200,7 +210,7 @@ class ZeroCheckpoint:
     def close(self) -> None:
         """Close the rank files (and delete the local copy of a remote checkpoint)."""
         self._sources = {}
-        self.client_state = {}
+        self._unread_client_state, self._client_state = None, {}
         for file in self._files:
             file.close()
         self._files = []
@@ -668,7 +678,7 @@ def _build(
         for alias, canonical in shared.items()
         if isinstance(alias, str) and alias and isinstance(canonical, str) and canonical in specs and alias not in specs
     }
-    client_state = {k: _materialize(model0_file, v) for k, v in model0.items() if k not in _DEEPSPEED_KEYS}
+    client_state = (model0_file, {k: v for k, v in model0.items() if k not in _DEEPSPEED_KEYS})
     ds_version = model0.get("ds_version")
     return ZeroCheckpoint(
         url=url,

@@ -48,6 +48,8 @@ class RankFile:
                     "damaged, or not a DeepSpeed rank file: load and save it again with a recent torch"
                 )
             self._records = self._stored_records()
+            self._materialized: dict[int | None, torch.Tensor] = {}  # storage offset -> its bytes, read once
+            self._materialized_bytes = 0
             self._file.seek(0)
             self.content = safe_load(self._file, meta=True, display_name=display)
         except BaseException:
@@ -92,14 +94,22 @@ class RankFile:
         self._pread(out, offset)
 
     def materialize(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A checked tensor of any strides as ``torch.load`` gives it: its values, as a view of a buffer holding
-        exactly the run of its storage it spans (no more bytes than the file holds)."""
-        if tensor.numel() == 0:
-            return torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
-        buffer = torch.empty(_span(tensor), dtype=tensor.dtype)
-        itemsize = tensor.element_size()
-        self._pread(buffer, tensor.untyped_storage()._checkpoint_offset + tensor.storage_offset() * itemsize)
-        return buffer.as_strided(tensor.shape, tensor.stride(), 0)
+        """A checked tensor of any strides as ``torch.load`` gives it: a view of its whole storage, read once and
+        shared by every tensor of this file that views it. All the storages read this way together may not
+        hold more bytes than the file does."""
+        storage = tensor.untyped_storage()
+        start = storage._checkpoint_offset if tensor.numel() else None
+        if start not in self._materialized:
+            nbytes = storage.nbytes() if start is not None else 0
+            if self._materialized_bytes + nbytes > self.size:
+                raise self._bad(f"its tensors claim more bytes than the file holds ({self.size})")
+            buffer = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                self._pread(buffer, start)
+            self._materialized[start] = buffer
+            self._materialized_bytes += nbytes
+        out = torch.empty(0, dtype=tensor.dtype)
+        return out.set_(self._materialized[start].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
 
     # -- internals ----------------------------------------------------------------------------------------------
 
