@@ -1,7 +1,8 @@
 """The ``stagesafe`` command: ``consolidate``, ``inspect`` and ``verify``.
 
 ``main(argv) -> int`` so that tests call it in-process. Exit codes: 0 ok; 1 a handoff failed verification, or
-an error of the system or a storage backend (disk full, no credentials); 2 bad input. Errors are one line on
+an error of the system or a storage backend (disk full, a read-only folder, a file-size limit, no credentials);
+2 bad input (a file that is not what it claims to be, crafted or damaged, included). Errors are one line on
 stderr saying what was wrong and what to do (``--traceback`` shows where an unexpected one came from).
 """
 
@@ -166,15 +167,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
 
-    from stagesafe.errors import HandoffCorruptError, StageSafeError
+    from stagesafe.errors import HandoffCorruptError, StageSafeError, StorageTransferError
 
     try:
         return {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify}[args.command](args)
-    except HandoffCorruptError as exc:
+    except (HandoffCorruptError, StorageTransferError) as exc:  # failed verification; the store or the disk failed
         return _fail(exc, EXIT_FAILED)
     except StageSafeError as exc:
         return _fail(exc, EXIT_USAGE)
-    except OSError as exc:  # permission denied, disk full, network: not the user's input, but not a bug either
+    except (OSError, MemoryError) as exc:  # disk full, file too large, read-only: not the input, not a bug either
         return _fail(exc, EXIT_FAILED)
     except KeyboardInterrupt:
         print("stagesafe: interrupted", file=sys.stderr)

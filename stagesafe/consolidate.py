@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from stagesafe.handoff import store
+from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
 from stagesafe.handoff.plan import INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
@@ -77,7 +78,8 @@ def consolidate(
     _check_destination(fs, root, overwrite)
     existed = fs.exists(root)
     with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
-        plan = _plan(ckpt, out_dtype, limit, taken=store.live_files(fs, root))
+        taken = store.live_files(fs, root)
+        plan = _plan(ckpt, out_dtype, limit, taken=taken)
         bar = _progress_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
         if bar is not None:
             plan.state_dict.on_read = bar.update
@@ -98,7 +100,12 @@ def consolidate(
         finally:
             if bar is not None:
                 bar.close()
-        return store.commit(fs, root, plan, records, metadata=metadata)
+        try:
+            return store.commit(fs, root, plan, records, metadata=metadata)
+        except BaseException:
+            if not taken and not _exists(fs, join(root, MANIFEST_NAME)):  # no handoff there, before or now
+                _remove(fs, [join(root, name) for name in (*records, INDEX_NAME)], root if not existed else None)
+            raise  # else the index and the shards are an interrupted save's, which the next save cleans up
 
 
 def load_zero_checkpoint(
@@ -222,8 +229,8 @@ class _LazyStateDict(Mapping):
         parts = self._ckpt.pieces(name) if out == spec.dtype else None
         if self.on_read is not None:
             self.on_read(spec.numel * out.itemsize)
-        if parts is not None:  # written straight from the mapped rank files, no copy
-            return store.Pieces(spec.dtype, spec.shape, parts, done=self._ckpt.release)
+        if parts is not None:  # written from the rank files piece by piece, never joined into one tensor
+            return store.Pieces(spec.dtype, spec.shape, parts)
         return _cast(self._ckpt.read(name), self._out)
 
     def __iter__(self) -> Iterator[str]:
@@ -234,7 +241,17 @@ class _LazyStateDict(Mapping):
 
 
 def _plan(ckpt: ZeroCheckpoint, out: torch.dtype | None, limit: int, *, taken: set[str]) -> store.HandoffPlan:
-    """The store's plan for the checkpoint, made from its description (no tensor is read)."""
+    """The store's plan for the checkpoint, made from its description (no tensor is read). Every name, dtype and
+    shape is checked first: what safetensors cannot store is refused before a byte is written."""
+    for name in ckpt.state_dict_names():
+        spec = ckpt.tensors[ckpt.aliases.get(name, name)]
+        try:
+            dtype = _dtype_name(_out_dtype(spec.dtype, out))
+            check_tensor(name, dtype, spec.shape, where="the checkpoint's state dict")
+        except InvalidArgumentError as exc:
+            raise CheckpointFormatError(
+                f"{ckpt.tag_url!r}: {exc}. Nothing was written; load_zero_checkpoint reads such a tensor into memory"
+            ) from None
     sizes = {name: spec.numel * _out_dtype(spec.dtype, out).itemsize for name, spec in ckpt.tensors.items()}
     groups = plan_shards(sizes.items(), limit)
     files = shard_file_names(len(groups), taken=taken)
@@ -281,20 +298,28 @@ def _write_shards(
                         future.cancel()
                     raise
     except BaseException:
-        for file_name in list(records):  # never a live file: the plan's names avoid the committed handoff's
-            try:
-                fs.rm_file(join(root, file_name))
-            except OSError:
-                pass
-        if remove_root:
-            _remove_empty_dir(fs, root)
+        # never a live file: the plan's names avoid the committed handoff's
+        _remove(fs, [join(root, name) for name in records], root if remove_root else None)
         raise
     return records
 
 
-def _remove_empty_dir(fs: Any, root: str) -> None:
+def _exists(fs: Any, path: str) -> bool:
     try:
-        if fs.isdir(root) and not fs.ls(root, detail=False):
+        return fs.exists(path)
+    except Exception:  # noqa: BLE001 - the store is failing: say it exists, so nothing is removed
+        return True
+
+
+def _remove(fs: Any, paths: list[str], root: str | None) -> None:
+    """Best effort: delete ``paths``, then ``root`` if it is left empty."""
+    for path in paths:
+        try:
+            fs.rm_file(path)
+        except OSError:
+            pass
+    try:
+        if root is not None and fs.isdir(root) and not fs.ls(root, detail=False):
             fs.rmdir(root)
     except OSError:
         pass

@@ -6,6 +6,8 @@ Every error derives from :class:`StageSafeError`, and also from the builtin a ca
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "StageSafeError",
     "InvalidArgumentError",
@@ -20,6 +22,8 @@ __all__ = [
     "StorageBackendError",
     "StorageTransferError",
     "DistributedStageError",
+    "clip",
+    "shown",
 ]
 
 
@@ -79,3 +83,19 @@ class StorageTransferError(StageSafeError, OSError):
 
 class DistributedStageError(StageSafeError, RuntimeError):
     """A failure on one or more ranks, raised on every rank so that none of them hangs."""
+
+
+def shown(value: Any, limit: int = 120) -> str:
+    """``repr(value)``, cut to about ``limit`` characters, for an error message: a value read from a file may be
+    megabytes long, and a message is one line. Never raises: a value too deep or too large to ``repr`` (a
+    nested list, an integer of millions of digits) is named by its type."""
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - RecursionError, ValueError (int digits), an odd object's own __repr__
+        return f"<a {type(value).__name__} that cannot be shown>"
+    return clip(text, limit)
+
+
+def clip(text: str, limit: int = 120) -> str:
+    """``text`` cut to about ``limit`` characters, saying how long it was."""
+    return text if len(text) <= limit else f"{text[: max(limit - 16, 8)]}... ({len(text)} chars)"

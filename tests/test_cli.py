@@ -8,10 +8,12 @@ import json
 import os
 import shutil
 import sys
+import tempfile
 
 import fsspec
 import pytest
 import torch
+from _hostile import run_python
 from _launch import zero_checkpoints
 from safetensors.torch import load_file
 
@@ -379,3 +381,56 @@ def test_lightning_layout_made_by_deepspeed(ckpts, tmp_path, capsys):
     code, out, err = run(capsys, "consolidate", path, str(tmp_path / "out"))
     assert code == 0, err
     assert "tag checkpoint" in out
+
+
+# -- exit codes of failures that are not the input's ---------------------------------------------------------------
+
+
+@pytest.fixture
+def world_readable(ckpts):
+    """A folder outside pytest's private tmp root, with a copy of the s3 checkpoint: ``nobody`` can read both."""
+    base = tempfile.mkdtemp(prefix="stagesafe-cli-")
+    os.chmod(base, 0o755)
+    shutil.copytree(ckpts["s3"]["path"], os.path.join(base, "src"))
+    for folder, dirs, names in os.walk(base):
+        for name in dirs:
+            os.chmod(os.path.join(folder, name), 0o755)
+        for name in names:
+            os.chmod(os.path.join(folder, name), 0o644)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("fault", ["read_only_folder", "file_size_limit"])
+def test_an_output_that_cannot_be_written_is_exit_1_and_left_as_it_was(world_readable, fault):
+    """docs/cli.md: 1 for an error of the system. A read-only folder (mode 0555; as ``nobody`` when the tests
+    run as root, whom permission bits do not stop) and RLIMIT_FSIZE (EFBIG) are the system's, not the input's."""
+    src, dst = os.path.join(world_readable, "src"), os.path.join(world_readable, "out")
+    os.mkdir(dst, 0o555)
+    os.chmod(dst, 0o555)
+    as_nobody = fault == "read_only_folder" and os.geteuid() == 0
+    result = run_python(
+        "import os, pwd, sys\n"
+        "from stagesafe.cli import main\n"
+        "if sys.argv[1] == 'nobody':\n"
+        "    os.setgid(pwd.getpwnam('nobody').pw_gid)\n"
+        "    os.setuid(pwd.getpwnam('nobody').pw_uid)\n"
+        "sys.exit(main(sys.argv[2:]))\n",
+        "nobody" if as_nobody else "-",
+        "consolidate", src, dst if fault == "read_only_folder" else os.path.join(world_readable, "fresh"),
+        "--max-shard-size", "2KB", "-q",
+        file_size=1024 if fault == "file_size_limit" else None,
+    )
+    assert result.returncode == 1, (result.returncode, result.stderr[-2000:])
+    assert_one_error_line(result.stderr, "could not write shard")
+    assert "builtins." not in result.stderr
+    assert os.listdir(dst) == [] and not os.path.exists(os.path.join(world_readable, "fresh"))
+
+
+def test_a_commit_that_fails_in_an_empty_destination_leaves_no_shard_behind(ckpts, tmp_path, capsys):
+    dst = tmp_path / "out"
+    (dst / "model.safetensors.index.json").mkdir(parents=True)  # the index cannot be renamed into place
+    code, _, err = run(capsys, "consolidate", ckpts["s3"]["path"], str(dst), "--max-shard-size", "2KB", "--overwrite")
+    assert code == 1, err
+    assert_one_error_line(err, "model.safetensors.index.json")
+    assert os.listdir(dst) == ["model.safetensors.index.json"]  # the shards written before the commit are gone

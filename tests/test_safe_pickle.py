@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copyreg
 import os
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from stagesafe.zero.safe_pickle import ALLOWED_GLOBALS, OpaqueRecord, can_map, release_pages, safe_load
+from stagesafe.zero.safe_pickle import ALLOWED_GLOBALS, OpaqueRecord, can_map, safe_load
 from stagesafe.errors import CheckpointFormatError, StageSafeError, UnsafeCheckpointError
 
 pytestmark = pytest.mark.timeout(60)
@@ -172,25 +173,6 @@ def test_allow_list_is_short_and_names_no_callables_of_os():
     )
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads RssFile from /proc")
-def test_release_pages_gives_mapped_pages_back_and_keeps_values(tmp_path):
-    path = tmp_path / "big.pt"
-    values = torch.arange(16 * 1024 * 1024, dtype=torch.float32)  # 64 MiB
-    torch.save({"w": values}, path)
-    loaded = safe_load(str(path))["w"]
-
-    def rss_file_kib() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("RssFile:"))
-
-    assert float(loaded.sum()) == float(values.sum())  # touches every page
-    before = rss_file_kib()
-    release_pages(loaded)
-    after = rss_file_kib()
-    assert before - after > 32 * 1024, (before, after)
-    assert torch.equal(loaded, values)  # read back from the file
-
-
 @pytest.mark.parametrize("how", ["truncated", "garbage"])
 def test_damaged_file_is_a_format_error_naming_it(tmp_path, how):
     path = tmp_path / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
@@ -201,3 +183,42 @@ def test_damaged_file_is_a_format_error_naming_it(tmp_path, how):
         safe_load(str(path))
     with pytest.raises(FileNotFoundError):
         safe_load(str(tmp_path / "missing.pt"))
+
+
+class _Calls:
+    """Pickles as a call of ``func(*args)``: an allow-listed global given arguments of an attacker's choice;
+    with ``state``, as an instance of ``args[0]`` built from that state."""
+
+    def __init__(self, func, *args, state=None):
+        self.reduced = (func, args) if state is None else (func, args, state)
+
+    @property
+    def __class__(self):  # what pickle checks NEWOBJ's class against
+        return self.reduced[1][0] if len(self.reduced) == 3 else _Calls
+
+    def __reduce_ex__(self, protocol):
+        return self.reduced
+
+
+def _allowed_globals_misused():
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from lightning.fabric.utilities.data import AttributeDict
+
+    return {
+        "ZeroStageEnum('x')": _Calls(ZeroStageEnum, "x"),
+        "ZeroStageEnum([])": _Calls(ZeroStageEnum, []),
+        "AttributeDict(3)": _Calls(AttributeDict, 3),
+        "LossScaler with a list as its state": _Calls(copyreg.__newobj__, LossScaler, state=[1, 2]),
+    }
+
+
+@pytest.mark.parametrize("case", range(4))
+def test_allowed_classes_given_arguments_they_refuse_are_a_format_error(tmp_path, case):
+    name, payload = list(_allowed_globals_misused().items())[case]
+    path = tmp_path / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    torch.save({"optimizer_state_dict": {"zero_stage": payload}}, path)
+    for meta in (False, True):
+        with pytest.raises(CheckpointFormatError, match=r"zero_pp_rank_0_mp_rank_00_optim_states\.pt cannot be read"):
+            safe_load(str(path), meta=meta)

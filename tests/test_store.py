@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import uuid
 from collections.abc import Mapping
 import os
@@ -15,6 +16,7 @@ import fsspec
 import pytest
 import safetensors.torch
 import torch
+from _hostile import opened_files, outside, replace_shard, run_python, safetensors_bytes
 
 from stagesafe.handoff.fs import list_files, resolve
 from stagesafe.handoff.plan import manifest_checksum
@@ -605,3 +607,218 @@ def test_check_writable_fails_early_and_leaves_nothing(tmp_path):
     blocker.write_text("x")
     with pytest.raises(StorageTransferError, match="a_file"):
         check_writable(str(blocker / "handoff"))
+
+
+# -- hostile handoffs: files crafted by someone who knows the format ---------------------------------------------
+
+def _entry(dtype: str, shape: list, begin: int, end: int) -> dict:
+    return {"dtype": dtype, "shape": shape, "data_offsets": [begin, end]}
+
+
+# A shard whose header safetensors refuses, with a manifest forged to match it (hash, size, tensors): the
+# header's own checks are all that stands in the way.
+FORGED_SHARDS = {
+    "offsets_out_of_bounds": (safetensors_bytes({"a": _entry("F32", [4], 0, 16)}, bytes(8)), {"a": ("float32", [4])}),
+    "overlapping_offsets": (
+        safetensors_bytes({"a": _entry("F32", [2], 0, 8), "b": _entry("F32", [2], 0, 8)}, bytes(8)),
+        {"a": ("float32", [2]), "b": ("float32", [2])},
+    ),
+    "dtype_disagrees_with_byte_count": (
+        safetensors_bytes({"a": _entry("F32", [3], 0, 8)}, bytes(8)),
+        {"a": ("float32", [3])},
+    ),
+    "shape_of_2_40_elements": (
+        safetensors_bytes({"a": _entry("F32", [2**40], 0, 8)}, bytes(8)),
+        {"a": ("float32", [2**40])},
+    ),
+    "dtype_F128": (safetensors_bytes({"a": _entry("F128", [2], 0, 8)}, bytes(8)), {"a": ("float32", [2])}),
+    "duplicate_header_keys": (
+        safetensors_bytes(
+            raw=b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
+            b'"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}',
+            data=bytes(8),
+        ),
+        {"a": ("float32", [2])},
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(FORGED_SHARDS))
+def test_a_forged_manifest_never_gets_verify_to_pass_what_load_refuses(tmp_path, case):
+    url = str(tmp_path / "h")
+    save_state_dict({"a": torch.zeros(2)}, url)
+    data, tensors = FORGED_SHARDS[case]
+    shard = replace_shard(url, data, tensors)
+    for reader in (verify, load_state_dict):
+        with pytest.raises(HandoffCorruptError) as info:
+            reader(url)
+        assert repr(shard) in str(info.value) and len(str(info.value)) < 600
+
+
+def _two_handoffs(tmp_path):
+    """Handoffs ``h`` and ``other`` side by side, of the same state dict: byte for byte the same shards."""
+    sd = {"w": torch.arange(6.0)}
+    (shard,) = save_state_dict(sd, str(tmp_path / "h"))["shards"]
+    (theirs,) = save_state_dict(sd, str(tmp_path / "other"))["shards"]
+    os.rename(tmp_path / "other" / theirs, tmp_path / "other" / shard)  # the same name in both folders
+    return tmp_path / "h", tmp_path / "other", shard
+
+
+def test_a_shard_that_links_outside_the_folder_is_refused_unopened(tmp_path):
+    h, other, shard = _two_handoffs(tmp_path)
+    (h / shard).unlink()
+    (h / shard).symlink_to(other / shard)  # the very bytes the manifest hashes
+    for reader in (verify, load_state_dict, lambda u: load_state_dict(u, verify=False)):
+        refused = pytest.raises(HandoffCorruptError, match="symbolic link to .*outside the folder")
+        with opened_files() as opened, refused:
+            reader(str(h))
+        assert not outside(opened, str(h))
+    (h / shard).unlink()
+    (h / shard).symlink_to(shard + ".copy")  # a link inside the folder is fine
+    os.link(other / shard, h / (shard + ".copy"))
+    assert torch.equal(load_state_dict(str(h))["w"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("target", ["parent_path", "link_outside"])
+def test_an_index_naming_a_file_outside_the_folder_fails_verify_and_opens_nothing_there(tmp_path, target):
+    h, other, shard = _two_handoffs(tmp_path)
+    index = json.loads((h / INDEX).read_text())
+    if target == "parent_path":
+        index["weight_map"]["w"] = f"../other/{shard}"
+        expected = "not a shard file name"
+    else:  # a name of the format, for the shards of a save interrupted before its manifest
+        (h / "model-00001-of-00002.safetensors").symlink_to(other / shard)
+        index["weight_map"]["w"] = "model-00001-of-00002.safetensors"
+        expected = "outside the folder"
+    (h / INDEX).write_text(json.dumps(index))
+    with opened_files() as opened, pytest.raises(HandoffCorruptError, match=expected):
+        verify(str(h))
+    assert not outside(opened, str(h))
+
+
+def test_a_shard_far_larger_than_its_manifest_says_is_refused_before_it_is_read(tmp_path):
+    url = str(tmp_path / "h")
+    manifest = save_state_dict({"w": torch.zeros(4)}, url)
+    (shard,) = manifest["shards"]
+    with open(tmp_path / "h" / shard, "r+b") as f:
+        f.truncate(768 * 2**20)  # sparse: no disk used, 768 MiB to read
+    result = run_python(
+        "import resource, sys\n"
+        "from stagesafe import load_state_dict, verify\n"
+        "from stagesafe.errors import HandoffCorruptError\n"
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "for reader in (load_state_dict, verify):\n"
+        "    try:\n"
+        f"        reader({url!r})\n"
+        "    except HandoffCorruptError as exc:\n"
+        "        print('refused', exc)\n"
+        "print('grew_kib', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before)\n"
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.count(f"is {768 * 2**20} bytes, the manifest says") == 2, result.stdout
+    grew = int(result.stdout.split("grew_kib ")[1])
+    assert grew < 64 * 1024, result.stdout  # nothing near 768 MiB was read into memory
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "expected"),
+    [
+        (MANIFEST, b"[" * 200_000 + b"]" * 200_000, r"stagesafe\.json is not valid JSON \(nested too deeply\)"),
+        (INDEX, b'{"metadata": {"total_size": 24}, "weight_map": ["w"]}', "is not a Hugging Face index"),
+        (INDEX, b'{"weight_map": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", "nested too deeply"),
+        (INDEX, b'{"metadata": {"total_size": 24}, "weight_map": {"w": ["a"]}}', r"in \['a'\], which is not a shard"),
+    ],
+)
+def test_json_that_is_not_the_formats_is_a_corrupt_handoff(tmp_path, name, content, expected):
+    url = str(tmp_path / "h")
+    save_state_dict({"w": torch.zeros(6)}, url)
+    (tmp_path / "h" / name).write_bytes(content)
+    with pytest.raises(HandoffCorruptError, match=expected):
+        verify(url)
+
+
+def test_a_manifest_too_large_to_be_one_is_refused_unread(tmp_path):
+    url = str(tmp_path / "h")
+    save_state_dict({"w": torch.zeros(6)}, url)
+    with open(tmp_path / "h" / MANIFEST, "r+b") as f:
+        f.truncate(2**40)  # sparse
+    for reader in (read_manifest, load_state_dict, verify):
+        with pytest.raises(HandoffCorruptError, match=r"stagesafe\.json is 1099511627776 bytes, more than"):
+            reader(url)
+
+
+_READERS = """
+import json, sys, torch
+from torch import nn
+from stagesafe import load_state_dict, read_manifest, restore, verify
+from stagesafe.cli import main
+from stagesafe.handoff.store import HandoffReader
+
+url = sys.argv[1] if len(sys.argv) > 1 else {url!r}
+readers = {{
+    "load_state_dict": lambda: load_state_dict(url),
+    "load_state_dict(verify=False)": lambda: load_state_dict(url, verify=False),
+    "verify": lambda: verify(url),
+    "restore": lambda: restore(nn.Linear(3, 2), url),
+    "HandoffReader": lambda: dict(HandoffReader(url)),
+    "cli verify": lambda: main(["verify", url]),
+    "cli inspect": lambda: main(["inspect", url]),
+}}
+out = {{}}
+for name, read in readers.items():
+    try:
+        out[name] = ["returned", repr(read())[:60]]
+    except Exception as exc:
+        out[name] = [type(exc).__name__, str(exc)]
+print("RESULT " + json.dumps(out))
+"""
+
+
+def _read_in_a_process(url: str) -> dict:
+    result = run_python(_READERS.format(url=url), timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    line = next(line for line in result.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT ") :])
+
+
+@pytest.mark.parametrize("what", ["shard", "link_to_a_fifo", "manifest", "index", "index_entry"])
+def test_a_fifo_in_a_handoff_is_refused_by_every_reader_without_blocking(tmp_path, what):
+    """Opening a FIFO for reading blocks until a writer comes. Each reader runs in a process of its own with a
+    timeout, so that a reader that blocks fails this test instead of hanging it."""
+    url = str(tmp_path / "h")
+    (shard,) = save_state_dict(nn_linear_state(), url)["shards"]
+    h = tmp_path / "h"
+    if what in ("shard", "manifest", "index"):
+        name = {"shard": shard, "manifest": MANIFEST, "index": INDEX}[what]
+        (h / name).unlink()
+        os.mkfifo(h / name)
+    elif what == "link_to_a_fifo":
+        (h / shard).unlink()
+        os.mkfifo(h / "pipe")
+        (h / shard).symlink_to(h / "pipe")
+    else:
+        os.mkfifo(h / "model-00001-of-00002.safetensors")
+        index = json.loads((h / INDEX).read_text())
+        index["weight_map"] = {"weight": "model-00001-of-00002.safetensors", "bias": "model-00001-of-00002.safetensors"}
+        (h / INDEX).write_text(json.dumps(index))
+    outcomes = _read_in_a_process(url)
+    readers_of = {  # which readers open the file: inspect reads the manifest only, loads never read the index
+        "manifest": set(outcomes),
+        "shard": set(outcomes) - {"cli inspect"},
+        "link_to_a_fifo": set(outcomes) - {"cli inspect"},
+        "index": {"verify", "cli verify"},
+        "index_entry": {"verify", "cli verify"},
+    }[what]
+    for reader, (kind, message) in outcomes.items():
+        if reader not in readers_of:
+            assert (kind, message[:1]) in (("returned", "{"), ("returned", "0"), ("returned", "L")), (reader, message)
+        elif reader.startswith("cli"):
+            assert (kind, message) == ("returned", "1"), (reader, message)  # exit 1: the handoff failed its checks
+        else:
+            assert kind == "HandoffCorruptError", (reader, kind, message)
+            assert "FIFO" in message, (reader, message)
+
+
+def nn_linear_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"weight": torch.randn(2, 3, generator=g), "bias": torch.randn(2, generator=g)}

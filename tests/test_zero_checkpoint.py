@@ -14,6 +14,7 @@ import shutil
 import fsspec
 import pytest
 import torch
+from _hostile import opened_files, outside, run_python, write_zero_checkpoint
 from _launch import zero_checkpoints
 
 from stagesafe.consolidate import (
@@ -25,6 +26,7 @@ from stagesafe.consolidate import (
 from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, UnsafeCheckpointError
 from stagesafe.handoff.store import load_state_dict, verify
 from stagesafe.zero.checkpoint import open_zero_checkpoint
+from stagesafe.zero.rank_file import RankFile
 
 pytestmark = pytest.mark.timeout(300)  # the first test pays for building the checkpoints (up to ~40 s cold)
 
@@ -165,23 +167,22 @@ def test_read_returns_tensors_of_their_own(ckpts):
 
 
 @pytest.mark.parametrize("name", ALL)
-def test_pieces_are_views_of_the_files_that_join_into_read(ckpts, name):
-    """What the CLI writes without a copy: every fp32 master comes as views of the mapped rank files, and the
-    pieces of any tensor join into exactly what read() returns."""
+def test_pieces_are_read_one_at_a_time_and_join_into_read(ckpts, name):
+    """What the CLI writes without joining a tensor: every fp32 master comes as pieces read from the rank files
+    as they are iterated, and the pieces of any tensor join into exactly what read() returns."""
     with open_zero_checkpoint(ckpts[name]["path"]) as ckpt:
-        viewed = set()
+        pieced = set()
         for tensor_name, spec in ckpt.tensors.items():
             parts = ckpt.pieces(tensor_name)
             if parts is None:
                 continue
-            viewed.add(tensor_name)
-            assert all(part._is_view() and part.dtype == spec.dtype for part in parts)
+            pieced.add(tensor_name)
+            parts = list(parts)
+            assert all(part.dtype == spec.dtype and part.untyped_storage().nbytes() == part.nbytes for part in parts)
             joined = torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=spec.dtype)
             assert torch.equal(joined.view(spec.shape), ckpt.read(tensor_name)), tensor_name
-            for part in parts:
-                ckpt.release(part)
         trained = {n for n, spec in ckpt.tensors.items() if spec.kind == "param"}
-    assert trained and trained <= viewed
+    assert trained and trained <= pieced
 
 
 def test_lightning_client_state(ckpts):
@@ -398,3 +399,223 @@ def test_inspect_checkpoint_both_kinds(ckpts, tmp_path):
     assert handoff["totals"]["tensors"] == zero["totals"]["tensors"]
     assert handoff["totals"]["elements"] == zero["totals"]["elements"]
     assert {r["name"] for r in handoff["tensors"]} == set(rows)
+
+
+# -- hostile checkpoints: files crafted by someone who knows DeepSpeed's layout -------------------------------------
+
+
+def _params() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"a.weight": torch.randn(5, 3, generator=g), "a.bias": torch.randn(5, generator=g)}
+
+
+def _crafted(tmp_path, edit=None, **options) -> str:
+    return write_zero_checkpoint(str(tmp_path / "ckpt"), _params(), edit=edit, **options)
+
+
+def test_a_crafted_checkpoint_in_deepspeeds_layout_reads_as_written(tmp_path):
+    """The helper that crafts the hostile files writes checkpoints the reader accepts, for both layouts."""
+    for stage in (2, 3):
+        buffers = {"n": torch.arange(3)}
+        path = write_zero_checkpoint(str(tmp_path / f"s{stage}"), _params(), stage=stage, buffers=buffers)
+        values = load_zero_checkpoint(path)
+        assert_bit_equal(values, {**_params(), "n": torch.arange(3)})
+
+
+def test_a_stride_0_view_is_refused_instead_of_read_past_its_storage(tmp_path):
+    """A flat partition that is a stride-0 view of 4 bytes with 2**24 elements: the reader once gave back the
+    pages of numel x itemsize bytes from its 4-byte storage, zeroing memory it did not own (SIGSEGV)."""
+
+    def edit(kind, rank, states):
+        if kind == "optim":
+            states["optimizer_state_dict"]["fp32_flat_groups"] = [torch.ones(1).expand(2**24)]
+        else:
+            states["param_shapes"] = [{"w": torch.Size([2**25])}]
+
+    src = _crafted(tmp_path, edit)
+    dst = tmp_path / "out"
+    result = run_python("import sys; from stagesafe.cli import main; sys.exit(main(sys.argv[1:]))",
+                        "consolidate", src, str(dst))
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    assert "strides [0]" in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not dst.exists()
+
+
+def test_a_rank_file_truncated_while_open_is_an_error_not_sigbus(tmp_path):
+    """DeepSpeed saving the same tag again truncates the rank files in place. A mapped reader touching a page
+    past the new end dies of SIGBUS; this reader reads with pread and says what happened."""
+    src = _crafted(tmp_path)
+    victim = os.path.join(src, "global_step1", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    code = (
+        "import os, sys\n"
+        "from stagesafe.zero.checkpoint import open_zero_checkpoint\n"
+        "from stagesafe.errors import CheckpointFormatError\n"
+        "with open_zero_checkpoint(sys.argv[1]) as ckpt:\n"
+        "    os.truncate(sys.argv[2], 100)\n"
+        "    for how in ('read', 'pieces'):\n"
+        "        try:\n"
+        "            for name in ckpt.tensors:\n"
+        "                ckpt.read(name) if how == 'read' else list(ckpt.pieces(name))\n"
+        "        except CheckpointFormatError as exc:\n"
+        "            print(how, exc)\n"
+    )
+    result = run_python(code, src, victim)
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["read", "pieces"], result.stdout
+    assert all("shrank while being read" in line and "saved again" in line for line in lines), result.stdout
+
+
+@pytest.mark.parametrize(
+    "count", [10**12, "2", [2, "x"], 0, True, -1, None, 2.0], ids=lambda c: f"partition_count={c!r}"
+)
+def test_a_partition_count_that_is_not_the_ranks_present_is_refused_before_allocating(tmp_path, count):
+    def edit(kind, rank, states):
+        if kind == "optim":
+            states["optimizer_state_dict"]["partition_count"] = count
+
+    src = _crafted(tmp_path, edit)
+    code = (
+        "import sys\n"
+        "from stagesafe.zero.checkpoint import open_zero_checkpoint\n"
+        "from stagesafe.errors import CheckpointFormatError\n"
+        "try:\n"
+        "    open_zero_checkpoint(sys.argv[1])\n"
+        "except CheckpointFormatError as exc:\n"
+        "    print('refused', exc)\n"
+    )
+    result = run_python(code, src, memory=6 * 2**30)  # the address space a list of 10**12 ranks would overrun
+    assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
+    assert result.stdout.startswith("refused "), result.stdout
+    if count == 10**12:
+        assert "written by 1000000000000 ranks" not in result.stdout  # bounded before any list of them is built
+    assert len(result.stdout) < 700
+
+
+def test_a_huge_latest_file_is_refused_in_one_short_line(tmp_path):
+    src = _crafted(tmp_path)
+    with open(os.path.join(src, "latest"), "w") as f:
+        f.write("global_step1" * (8 * 2**20 // 12))
+    with pytest.raises(CheckpointFormatError, match=r"latest is \d+ bytes, more than the 4096") as info:
+        open_zero_checkpoint(src)
+    assert len(str(info.value)) < 400
+    with open(os.path.join(src, "latest"), "w") as f:
+        f.write("x" * 4000)  # under the limit, no such folder: named, cut short
+    with pytest.raises(CheckpointFormatError, match="no tag folder 'xxxx") as info:
+        open_zero_checkpoint(src)
+    assert len(str(info.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("edit_model", "message"),
+    [
+        (lambda m: m["param_shapes"][0].update({"__metadata__": m["param_shapes"][0].pop("a.bias")}), "reserves"),
+        (lambda m: m["param_shapes"][0].update({"a\ud800": m["param_shapes"][0].pop("a.bias")}), "lone surrogate"),
+        (lambda m: m["module"].update({"c": torch.zeros(2, dtype=torch.complex128)}), "complex128"),
+    ],
+    ids=["__metadata__", "lone_surrogate", "complex128_buffer"],
+)
+def test_a_tensor_safetensors_cannot_store_fails_consolidate_before_a_byte_is_written(tmp_path, edit_model, message):
+    def edit(kind, rank, states):
+        if kind == "model":
+            edit_model(states)
+            states["buffer_names"] = ["c"]
+
+    src = _crafted(tmp_path, edit)
+    assert load_zero_checkpoint(src)  # in memory, a state dict holds it
+    dst = tmp_path / "out"
+    with pytest.raises(CheckpointFormatError, match=message) as info:
+        consolidate(src, str(dst))
+    assert "Nothing was written" in str(info.value)
+    assert not dst.exists()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": [-1, -15]}), r"shape.*\[-1, -15\]"),
+        (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": [2**40, 2**40]}), "elements"),
+        (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": "15"}), "not a list of sizes"),
+        (lambda k, r, s: k == "model" and s["param_shapes"][0].update({7: s["param_shapes"][0].pop("a.bias")}), "7"),
+        (lambda k, r, s: k == "model" and s.update(param_shapes=[["a.weight"]]), "not a dict"),
+        (lambda k, r, s: k == "model" and s.update(module=[1, 2]), "not a dict"),
+        (lambda k, r, s: k == "model" and s.update(shared_params=[1]), "not a dict"),
+        (lambda k, r, s: k == "optim" and s["optimizer_state_dict"].update(fp32_flat_groups=torch.ones(3)), "list"),
+        (lambda k, r, s: k == "optim" and s["optimizer_state_dict"].update(fp32_flat_groups=[3]), "not a tensor"),
+        (lambda k, r, s: k == "optim" and s["optimizer_state_dict"].update(zero_stage="3"), "stage '3'"),
+        (lambda k, r, s: k == "optim" and s.update(optimizer_state_dict=[]), "optimizer_state_dict"),
+        (
+            lambda k, r, s: k == "optim"
+            and s["optimizer_state_dict"].update(fp32_flat_groups=[torch.ones(4, 4).t().reshape(16)[:8].t()]),
+            "elements",
+        ),
+        (
+            lambda k, r, s: k == "optim"
+            and s["optimizer_state_dict"].update(fp32_flat_groups=[torch.ones(20, 2)[:, 0]]),
+            "strides",
+        ),
+    ],
+    ids=[
+        "negative_shape",
+        "shape_of_2_80_elements",
+        "shape_a_string",
+        "name_an_int",
+        "param_shapes_of_lists",
+        "module_a_list",
+        "shared_params_a_list",
+        "flat_groups_a_tensor",
+        "flat_group_an_int",
+        "stage_a_string",
+        "optimizer_state_a_list",
+        "partition_too_short",
+        "partition_strided",
+    ],
+)
+def test_a_structure_deepspeed_never_writes_is_a_format_error(tmp_path, edit, message):
+    src = _crafted(tmp_path, edit)
+    with pytest.raises(CheckpointFormatError, match=message):
+        with open_zero_checkpoint(src) as ckpt:
+            ckpt.load_state_dict()
+
+
+def test_a_rank_file_that_links_outside_its_folder_is_refused_unopened(tmp_path):
+    src = _crafted(tmp_path)
+    other = write_zero_checkpoint(str(tmp_path / "other"), _params())
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    os.remove(os.path.join(src, "global_step1", name))
+    os.symlink(os.path.join(other, "global_step1", name), os.path.join(src, "global_step1", name))
+    with opened_files() as opened, pytest.raises(CheckpointFormatError, match=f"missing rank files \\['{name}'\\]"):
+        open_zero_checkpoint(src)  # a link is not a rank file; were it swapped in after the listing, see below
+    assert not outside(opened, src)
+    with pytest.raises(CheckpointFormatError, match="outside the folder"):
+        RankFile(os.path.join(src, "global_step1"), name, display=name)
+
+
+@pytest.mark.parametrize("what", ["rank_file", "latest"])
+def test_a_fifo_in_a_checkpoint_never_blocks_the_reader(tmp_path, what):
+    src = _crafted(tmp_path)
+    name = "latest" if what == "latest" else "global_step1/zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    victim = os.path.join(src, name)
+    os.remove(victim)
+    os.mkfifo(victim)
+    result = run_python(
+        "import sys; from stagesafe.cli import main; sys.exit(main(sys.argv[1:]))",
+        "consolidate", src, str(tmp_path / "out"), timeout=120,
+    )
+    assert result.returncode == 2, (result.returncode, result.stderr[-3000:])
+    expected = "missing rank files" if what == "rank_file" else "no 'latest' file"  # a FIFO is not a file
+    assert expected in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_client_state_tensors_are_read_once_per_storage_and_never_beyond_the_file(tmp_path):
+    big = torch.arange(1000.0)
+
+    def edit(kind, rank, states):
+        if kind == "model":
+            states["callbacks"] = {"views": [big[i : i + 10] for i in range(0, 1000, 10)], "whole": big}
+
+    _, client = load_zero_checkpoint_with_client_state(_crafted(tmp_path, edit))
+    views = client["callbacks"]["views"]
+    assert all(torch.equal(v, big[i * 10 : i * 10 + 10]) for i, v in enumerate(views))
+    assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one storage, read once, as torch.load shares it
+    assert torch.equal(client["callbacks"]["whole"], big)

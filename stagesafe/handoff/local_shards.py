@@ -10,96 +10,92 @@ inode, size, modification and change times. Tensors are views of the shard's buf
 from __future__ import annotations
 
 import hashlib
-import json
-import math
+import mmap
 import os
 import threading
+from typing import IO
 
 import torch
 
-from stagesafe.handoff.plan import SAFETENSORS_DTYPES
+from stagesafe.handoff import codec
 
-__all__ = ["CHUNK", "MAX_HEADER", "read_hashed", "map_file", "remember", "known", "tensors_in"]
+__all__ = ["CHUNK", "read_hashed", "map_file", "remember", "known", "tensors_in"]
 
 CHUNK = 16 * 1024 * 1024  # read and hash in pieces of this size
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit on a header
 
 _lock = threading.Lock()
 _KNOWN: dict[str, tuple[tuple[int, int, int, int, int], str]] = {}  # path -> (identity, sha256 of its bytes)
 
 
-def _identity(path: str) -> tuple[int, int, int, int, int]:
-    st = os.stat(path)
+def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
     return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-def remember(path: str, sha256: str) -> None:
-    """This process knows the bytes of ``path`` hash to ``sha256`` (it wrote or verified them just now)."""
+def _stat(path: str, f: IO[bytes] | None) -> os.stat_result:
+    return os.fstat(f.fileno()) if f is not None else os.stat(path)
+
+
+def remember(path: str, sha256: str, *, f: IO[bytes] | None = None) -> None:
+    """This process knows the bytes of ``path`` (read through ``f``, if given) hash to ``sha256`` (it wrote or
+    verified them just now)."""
     try:
-        identity = _identity(path)
+        identity = _identity(_stat(path, f))
     except OSError:
         return
     with _lock:
         _KNOWN[path] = (identity, sha256)
 
 
-def known(path: str, sha256: str) -> bool:
-    """True when ``path`` is the very file this process hashed to ``sha256``, unchanged since."""
+def known(path: str, sha256: str, *, f: IO[bytes] | None = None) -> bool:
+    """True when ``path`` (the file open as ``f``, if given) is the very file this process hashed to ``sha256``,
+    unchanged since."""
     with _lock:
         entry = _KNOWN.get(path)
     if entry is None or entry[1] != sha256:
         return False
     try:
-        return _identity(path) == entry[0]
+        return _identity(_stat(path, f)) == entry[0]
     except OSError:
         return False
 
 
-def read_hashed(path: str) -> tuple[torch.Tensor, str]:
-    """The file read once into one buffer, hashed chunk by chunk as it arrives, while still in cache."""
-    size = os.path.getsize(path)
-    buffer = torch.empty(size, dtype=torch.uint8)
-    view = memoryview(buffer.numpy()) if size else memoryview(b"")
+def read_hashed(f: IO[bytes], limit: int) -> tuple[torch.Tensor, str]:
+    """At most ``limit + 1`` bytes of the open file ``f`` (one more than expected shows a file that grew), read
+    once into one buffer and hashed chunk by chunk as they arrive, while still in cache."""
+    buffer = torch.empty(limit + 1, dtype=torch.uint8)
+    view = memoryview(buffer.numpy())
     digest = hashlib.sha256()
     done = 0
-    with open(path, "rb", buffering=0) as f:
-        while done < size:
-            n = f.readinto(view[done : done + CHUNK])
-            if not n:
-                break
-            digest.update(view[done : done + n])
-            done += n
+    while done <= limit:
+        n = f.readinto(view[done : min(done + CHUNK, limit + 1)])
+        if not n:
+            break
+        digest.update(view[done : done + n])
+        done += n
     return buffer[:done], digest.hexdigest()  # exactly the bytes hashed, whatever happens to the file meanwhile
 
 
-def map_file(path: str) -> torch.Tensor:
-    """The file mapped copy-on-write, read lazily where touched (what ``load_file`` does)."""
-    size = os.path.getsize(path)
+def map_file(f: IO[bytes], size: int) -> torch.Tensor:
+    """The first ``size`` bytes of the open local file ``f`` mapped copy-on-write, read lazily where touched
+    (what ``load_file`` does)."""
     if not size:
         return torch.empty(0, dtype=torch.uint8)
-    return torch.from_file(path, shared=False, size=size, dtype=torch.uint8)
+    mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mapped, dtype=torch.uint8)  # the tensor keeps the mapping alive
 
 
-def tensors_in(buffer: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in ``buffer`` (uint8), as views of it: no copy."""
-    if len(buffer) < 8:
-        raise ValueError("shorter than a safetensors header")
-    length = int.from_bytes(buffer[:8].numpy().tobytes(), "little")
-    if not 0 < length <= min(MAX_HEADER, len(buffer) - 8):
-        raise ValueError(f"bad header length {length}")
-    header = json.loads(buffer[8 : 8 + length].numpy().tobytes())
-    base = 8 + length
+def tensors_in(buffer: torch.Tensor, *, source: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file held in ``buffer`` (uint8), as views of it: no copy. The header is
+    checked in full first (:func:`stagesafe.handoff.codec.parse_header`); ``source`` names the file in errors."""
+    size = buffer.numel()
+    prefix = buffer[:8].numpy().tobytes()
+    length = codec.header_length(prefix, size, source=source)
+    header = codec.parse_header(buffer[: 8 + length].numpy().tobytes(), size, source=source)
     tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = getattr(torch, SAFETENSORS_DTYPES[entry["dtype"]])
-        start, end = (base + int(x) for x in entry["data_offsets"])
-        shape = [int(x) for x in entry["shape"]]
-        if not base <= start <= end <= len(buffer) or end - start != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"tensor {name!r} has bad data_offsets {entry['data_offsets']}")
-        raw = buffer[start:end]
-        if start % dtype.itemsize:  # misaligned for its dtype: a copy of its own
+    for entry in header.tensors:
+        dtype = getattr(torch, entry.dtype)
+        raw = buffer[header.data_start + entry.begin : header.data_start + entry.end]
+        if (header.data_start + entry.begin) % dtype.itemsize:  # misaligned for its dtype: a copy of its own
             raw = raw.clone()
-        tensors[name] = raw.view(dtype).reshape(shape)
+        tensors[entry.name] = raw.view(dtype).reshape(entry.shape)
     return tensors

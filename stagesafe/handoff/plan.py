@@ -15,7 +15,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
-from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
+from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, shown
+from stagesafe.handoff.codec import SAFETENSORS_DTYPES, check_tensor
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -48,29 +49,6 @@ _TEMP_RE = re.compile(
     r"(?:model-.*\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(MANIFEST_NAME) + r")\.tmp-[0-9a-f]+"
 )
 _TAG_RE = re.compile(r"[0-9a-f]{8}")
-
-# safetensors header dtype codes -> torch dtype names as the manifest records them (str(dtype) minus "torch.").
-SAFETENSORS_DTYPES = {
-    "BOOL": "bool",
-    "U8": "uint8",
-    "I8": "int8",
-    "I16": "int16",
-    "U16": "uint16",
-    "I32": "int32",
-    "U32": "uint32",
-    "I64": "int64",
-    "U64": "uint64",
-    "F16": "float16",
-    "BF16": "bfloat16",
-    "F32": "float32",
-    "F64": "float64",
-    "C64": "complex64",
-    "F8_E4M3": "float8_e4m3fn",
-    "F8_E4M3FNUZ": "float8_e4m3fnuz",
-    "F8_E5M2": "float8_e5m2",
-    "F8_E5M2FNUZ": "float8_e5m2fnuz",
-    "F8_E8M0": "float8_e8m0fnu",
-}
 
 # Decimal units are powers of 1000, as Hugging Face's "5GB" means; binary units are spelled KiB/MiB/...
 _UNITS = {
@@ -268,9 +246,9 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     if fmt != FORMAT:
         if isinstance(fmt, str) and fmt.startswith("stagesafe/"):
             raise HandoffCorruptError(
-                f"{source}: format {fmt!r} is newer than this stagesafe reads ({FORMAT!r}); upgrade stagesafe"
+                f"{source}: format {shown(fmt)} is newer than this stagesafe reads ({FORMAT!r}); upgrade stagesafe"
             )
-        raise bad(f"'format' is {fmt!r}, expected {FORMAT!r}")
+        raise bad(f"'format' is {shown(fmt)}, expected {FORMAT!r}")
     for key, kind in (
         ("created", str),
         ("shards", dict),
@@ -283,12 +261,16 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     ):
         if not isinstance(manifest.get(key), kind):
             raise bad(f"'{key}' is missing or not a {kind.__name__}")
-    if manifest.get("checksum") != manifest_checksum(manifest):
+    try:
+        checksum = manifest_checksum(manifest)
+    except RecursionError:
+        raise bad("it holds JSON nested too deeply") from None
+    if manifest.get("checksum") != checksum:
         raise bad("the manifest's 'checksum' does not match its content (changed after it was written)")
     shards, weight_map, tensors, aliases = (manifest[k] for k in ("shards", "weight_map", "tensors", "aliases"))
     for file, rec in shards.items():
         if not is_shard_name(file):
-            raise bad(f"shard name {file!r} is not a shard file name of this format")
+            raise bad(f"shard name {shown(file)} is not a shard file name of this format")
         if (
             not isinstance(rec, dict)
             or not isinstance(rec.get("sha256"), str)
@@ -297,29 +279,31 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
             or isinstance(rec["size"], bool)
             or rec["size"] < 0
         ):
-            raise bad(f"shard {file!r} needs a 64-hex 'sha256' and a byte 'size', got {rec!r:.120}")
+            raise bad(f"shard {file!r} needs a 64-hex 'sha256' and a byte 'size', got {shown(rec)}")
     for name, file in weight_map.items():
-        if file not in shards:
-            raise bad(f"'weight_map' puts {name!r} in {file!r}, which is not listed in 'shards'")
+        if not isinstance(file, str) or file not in shards:
+            raise bad(f"'weight_map' puts {shown(name)} in {shown(file)}, which is not listed in 'shards'")
     for alias, canonical in aliases.items():
         if alias in weight_map:
-            raise bad(f"{alias!r} is both stored ('weight_map') and an alias")
-        if canonical not in weight_map:
-            raise bad(f"alias {alias!r} points to {canonical!r}, which is not stored ('weight_map')")
+            raise bad(f"{shown(alias)} is both stored ('weight_map') and an alias")
+        if not isinstance(canonical, str) or canonical not in weight_map:
+            raise bad(f"alias {shown(alias)} points to {shown(canonical)}, which is not stored ('weight_map')")
     for name, meta in tensors.items():
-        if (
-            not isinstance(meta, dict)
-            or not isinstance(meta.get("dtype"), str)
-            or not isinstance(meta.get("shape"), list)
-            or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in meta["shape"])
-        ):
-            raise bad(f"tensor {name!r} needs a 'dtype' string and a 'shape' list, got {meta!r:.120}")
+        try:
+            if not isinstance(meta, dict) or not isinstance(meta.get("shape"), list):
+                raise InvalidArgumentError("not an object with a 'shape' list")
+            check_tensor(name, meta.get("dtype"), meta["shape"], where="'tensors'")
+        except InvalidArgumentError as exc:
+            raise bad(
+                f"tensor {shown(name)} needs a name, a 'dtype' and a 'shape' safetensors stores, got {shown(meta)} "
+                f"({str(exc).partition(';')[0]})"
+            ) from None
     described, stored = set(tensors), set(weight_map) | set(aliases)
     if described != stored:
         extra, missing = sorted(described - stored), sorted(stored - described)
         raise bad(
-            f"'tensors' and 'weight_map'+'aliases' disagree: only in 'tensors': {extra[:5]}, "
-            f"only in the maps: {missing[:5]}"
+            f"'tensors' and 'weight_map'+'aliases' disagree: only in 'tensors': {shown(extra[:5])}, "
+            f"only in the maps: {shown(missing[:5])}"
         )
     return manifest
 

@@ -31,13 +31,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 import fsspec
 import safetensors
 import torch
 
 
+from stagesafe.handoff import codec
+from stagesafe.handoff.codec import encode_header as _safetensors_header
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
 from stagesafe.handoff.plan import (
@@ -57,12 +59,15 @@ from stagesafe.handoff.plan import (
     validate_manifest,
 )
 from stagesafe.handoff.retry import RetryPolicy, TransferAbandoned, call_with_retries
+from stagesafe.handoff.safe_files import open_in, read_in, size_of
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
     HandoffNotFoundError,
     InvalidArgumentError,
     StorageTransferError,
+    clip,
+    shown,
 )
 
 __all__ = [
@@ -94,7 +99,7 @@ log = logging.getLogger(__name__)
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
 _CHUNK = _local_shards.CHUNK  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
 _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a few times, under a busy trainer
-_MAX_HEADER = _local_shards.MAX_HEADER
+_MAX_JSON = 256 * 1024 * 1024  # a manifest or index larger than this is refused unread (100k tensors: ~30 MB)
 _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
 _REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
 _REMOVERS = 8  # stale files deleted at once
@@ -115,14 +120,15 @@ class ShardRecord:
 
 @dataclass(frozen=True)
 class Pieces:
-    """A tensor given as the consecutive pieces of its flattened values (views of mapped files, say), so that
-    :func:`write_shard` writes them as they are instead of joining them into a new tensor first.
+    """A tensor given as the consecutive pieces of its flattened values (views of mapped files, or pieces read
+    one at a time as ``parts`` is iterated, which it is once), so that :func:`write_shard` writes them as they
+    are instead of joining them into a new tensor first.
 
     ``done(piece)`` is called once a piece's bytes are in the file (a reader can give its pages back)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    parts: tuple[torch.Tensor, ...]
+    parts: Iterable[torch.Tensor]
     done: Callable[[torch.Tensor], None] | None = None
 
 
@@ -609,27 +615,8 @@ def verify(
 def _verify(
     fs: fsspec.AbstractFileSystem, root: str, manifest: dict[str, Any], *, workers: int, retry: RetryPolicy
 ) -> dict[str, Any]:
-    url = url_of(fs, root)
-    by_shard = shard_names(manifest["weight_map"], list(manifest["shards"]))
-
     def check(file_name: str, stop: threading.Event) -> None:
-        rec, path = manifest["shards"][file_name], join(root, file_name)
-        what = f"read shard {file_name!r} of {url!r}"
-        try:
-            size = _transfer(lambda: fs.size(path), what=what, retry=retry, stop=stop)
-            _check_bytes(url, file_name, rec, size, None)
-            digest, header = _transfer(lambda: _hash_file(fs, path, size), what=what, retry=retry, stop=stop)
-        except FileNotFoundError:
-            raise _ShardVanished(_missing_message(url, file_name)) from None
-        _check_bytes(url, file_name, rec, size, digest)
-        try:
-            entries = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
-            found = {k: (SAFETENSORS_DTYPES.get(v["dtype"], v["dtype"]), v["shape"]) for k, v in entries.items()}
-        except (ValueError, TypeError, KeyError, AttributeError) as exc:
-            raise HandoffCorruptError(
-                f"{url!r}: shard {file_name!r} has an unreadable safetensors header ({exc})"
-            ) from None
-        _check_contents(url, file_name, by_shard[file_name], found, manifest["tensors"])
+        _verify_shard(fs, root, manifest, file_name, retry=retry, stop=stop)
 
     _each(list(manifest["shards"]), check, workers)
     _check_index(fs, root, manifest, retry)
@@ -775,18 +762,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_entry(name: Any, tensor: Any) -> None:
-    if not isinstance(name, str) or not name:
-        raise InvalidArgumentError(f"state_dict key {name!r} must be a non-empty str; safetensors names tensors by str")
-    if name == "__metadata__":
-        raise InvalidArgumentError(
-            "state_dict key '__metadata__' is the name safetensors reserves for a file's metadata; rename the tensor"
-        )
-    try:
-        name.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidArgumentError(
-            f"state_dict key {name!r} is not valid Unicode (a lone surrogate?); safetensors stores UTF-8 names"
-        ) from None
+    codec.check_name(name)
     where = f"state_dict[{name!r}]"
     if not isinstance(tensor, torch.Tensor):
         raise InvalidArgumentError(
@@ -822,28 +798,8 @@ def _view_identity(tensor: torch.Tensor) -> tuple | None:
     )
 
 
-_SAFETENSORS_CODES = {torch_name: code for code, torch_name in SAFETENSORS_DTYPES.items()}
-
-
 def _nbytes(spec: Mapping[str, Any]) -> int:
     return math.prod(spec["shape"]) * getattr(torch, spec["dtype"]).itemsize
-
-
-def _safetensors_header(specs: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, int]:
-    """The safetensors header (8-byte length + JSON, padded to 8) for tensors in this order, and the file size."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # "pt": transformers' loaders insist on it
-    offset = 0
-    for name, spec in specs.items():
-        nbytes = _nbytes(spec)
-        entries[name] = {
-            "dtype": _SAFETENSORS_CODES[spec["dtype"]],
-            "shape": list(spec["shape"]),
-            "data_offsets": [offset, offset + nbytes],
-        }
-        offset += nbytes
-    raw = json.dumps(entries, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    return len(raw).to_bytes(8, "little") + raw, 8 + len(raw) + offset
 
 
 def _safetensors_chunks(
@@ -915,18 +871,28 @@ def _fetch_manifest(fs: fsspec.AbstractFileSystem, root: str, retry: RetryPolicy
 def _read_manifest(fs: fsspec.AbstractFileSystem, root: str, *, explain: bool = True) -> dict[str, Any]:
     """The committed manifest (one try). ``explain=False``: skip looking around for a helpful not-found message."""
     url = url_of(fs, root)
+    where = f"{url}/{MANIFEST_NAME}"
     try:
-        raw = fs.cat_file(join(root, MANIFEST_NAME))
+        raw = read_in(fs, root, MANIFEST_NAME, limit=_MAX_JSON, error=HandoffCorruptError, what=where)
     except (FileNotFoundError, NotADirectoryError):
         message = _not_found_message(fs, root) if explain else f"no handoff at {url!r}"
         raise HandoffNotFoundError(message) from None
+    return validate_manifest(_json(raw, where), source=where)
+
+
+def _json(raw: bytes, where: str) -> Any:
+    """A JSON document the store wrote (manifest, index), or ``HandoffCorruptError`` saying why it is not one."""
     try:
-        manifest = json.loads(raw)
+        return json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise HandoffCorruptError(
-            f"{url}/{MANIFEST_NAME} is not valid JSON ({exc}); it was damaged or edited, write the handoff again"
-        ) from None
-    return validate_manifest(manifest, source=f"{url}/{MANIFEST_NAME}")
+        reason = clip(str(exc), 160)
+    except RecursionError:
+        reason = "nested too deeply"
+    except ValueError as exc:  # an integer of more digits than Python converts
+        reason = clip(str(exc), 160)
+    raise HandoffCorruptError(
+        f"{where} is not valid JSON ({reason}); it was damaged or edited, write the handoff again"
+    )
 
 
 def _not_found_message(fs: fsspec.AbstractFileSystem, root: str) -> str:
@@ -1009,15 +975,17 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
     """Hugging Face loaders read the index, not the manifest: it must say the same."""
     where = f"{url_of(fs, root)}/{INDEX_NAME}"
     try:
-        index = json.loads(_transfer(lambda: fs.cat_file(join(root, INDEX_NAME)), what=f"read {where}", retry=retry))
-        weight_map, total_size = index["weight_map"], index["metadata"]["total_size"]
+        raw = _transfer(
+            lambda: read_in(fs, root, INDEX_NAME, limit=_MAX_JSON, error=HandoffCorruptError, what=where),
+            what=f"read {where}",
+            retry=retry,
+        )
     except FileNotFoundError:
         raise HandoffCorruptError(
             f"{where} is missing; Hugging Face loaders need it, write the handoff again"
         ) from None
-    except (ValueError, TypeError, KeyError) as exc:
-        raise HandoffCorruptError(f"{where} is not a Hugging Face index ({exc!r}); write the handoff again") from None
-    if weight_map != manifest["weight_map"] and _index_of_an_interrupted_save(fs, root, weight_map):
+    weight_map, total_size = _index_entries(_json(raw, where), where)
+    if weight_map != manifest["weight_map"] and _index_of_an_interrupted_save(fs, root, weight_map, where):
         log.warning(
             "stagesafe: %s belongs to a save that was interrupted before its manifest; the committed handoff is "
             "intact and verified, the next save rewrites the index",
@@ -1027,7 +995,7 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
     for name in sorted(set(weight_map) | set(manifest["weight_map"])):
         if weight_map.get(name) != manifest["weight_map"].get(name):
             raise HandoffCorruptError(
-                f"{where} puts {name!r} in shard {weight_map.get(name)!r}, the manifest in "
+                f"{where} puts {shown(name)} in shard {weight_map.get(name)!r}, the manifest in "
                 f"{manifest['weight_map'].get(name)!r}; a write was interrupted or the file was edited, "
                 "write the handoff again"
             )
@@ -1037,39 +1005,114 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
         )
 
 
-def _index_of_an_interrupted_save(fs: fsspec.AbstractFileSystem, root: str, weight_map: Mapping[str, str]) -> bool:
+def _index_entries(index: Any, where: str) -> tuple[dict[str, str], int]:
+    """``(weight_map, total_size)`` of a Hugging Face index whose every file is a shard name of this format:
+    a file in another folder (``../x``) or of another name is never opened."""
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    metadata = index.get("metadata") if isinstance(index, dict) else None
+    total_size = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if not isinstance(weight_map, dict) or type(total_size) is not int:
+        raise HandoffCorruptError(
+            f"{where} is not a Hugging Face index ({{'metadata': {{'total_size': int}}, 'weight_map': {{...}}}}), "
+            f"got {shown(index)}; write the handoff again"
+        )
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not is_shard_name(file):
+            raise HandoffCorruptError(
+                f"{where} puts {shown(name)} in {shown(file)}, which is not a shard file name of this format "
+                "(a path to another folder?); it was not opened. Write the handoff again"
+            )
+    return weight_map, total_size
+
+
+def _index_of_an_interrupted_save(
+    fs: fsspec.AbstractFileSystem, root: str, weight_map: Mapping[str, str], where: str
+) -> bool:
     """True when every shard the index names exists and holds exactly the tensors the index puts there: the
-    index of a complete set of shards whose manifest was never written (the writer died between the two)."""
+    index of a complete set of shards whose manifest was never written (the writer died between the two).
+    A shard that is not a regular file inside the folder is refused, not read."""
     by_shard: dict[str, set[str]] = {}
     for name, file_name in weight_map.items():
         by_shard.setdefault(file_name, set()).add(name)
-    try:
-        for file_name, names in by_shard.items():
-            with fs.open(join(root, file_name), "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                if not 0 < length <= _MAX_HEADER:
-                    return False
-                header = json.loads(f.read(length))
-            if set(header) - {"__metadata__"} != names:
-                return False
-    except (OSError, ValueError):
+    if not by_shard:  # names no shard at all: nothing shows it is a save's
         return False
+    for file_name, names in by_shard.items():
+        what = f"{where}: shard {file_name!r} it names"
+        try:
+            f = open_in(fs, root, file_name, error=HandoffCorruptError, what=what)
+        except OSError:
+            return False
+        try:
+            with f:
+                header = _read_header(f, size_of(f), source=what)
+        except (OSError, HandoffCorruptError):
+            return False
+        if {t.name for t in header.tensors} != names:
+            return False
     return True
 
 
-def _hash_file(fs: fsspec.AbstractFileSystem, path: str, size: int) -> tuple[str, bytes]:
-    """sha256 of a file read in chunks, and its safetensors header bytes (parse them only once the hash matches)."""
+def _read_header(f: IO[bytes], size: int, *, source: str) -> codec.Header:
+    """The checked header of the safetensors file open as ``f`` (at its start), ``size`` bytes long."""
+    prefix = f.read(8)
+    length = codec.header_length(prefix, size, source=source)
+    return codec.parse_header(prefix + f.read(length), size, source=source)
+
+
+def _hash_file(f: IO[bytes], size: int, source: str) -> tuple[str, int, codec.Header | HandoffCorruptError]:
+    """sha256 of the file open as ``f``, read in chunks up to one byte past ``size`` (so a file that grew shows),
+    the number of bytes read, and its safetensors header: checked, or what is wrong with it (to be raised only
+    once the hash matches, since a changed byte says more)."""
     digest = hashlib.sha256()
-    header = b""
-    with fs.open(path, "rb") as f:
-        head = f.read(8)
-        digest.update(head)
-        if len(head) == 8 and (n := int.from_bytes(head, "little")) <= min(size - 8, _MAX_HEADER):
-            header = f.read(n)
-            digest.update(header)
-        while chunk := f.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest(), header
+    prefix = f.read(8)
+    digest.update(prefix)
+    done = len(prefix)
+    try:
+        raw = f.read(codec.header_length(prefix, size, source=source))
+        digest.update(raw)
+        done += len(raw)
+        header: codec.Header | HandoffCorruptError = codec.parse_header(prefix + raw, size, source=source)
+    except HandoffCorruptError as exc:
+        header = exc
+    while done <= size and (chunk := f.read(min(_CHUNK, size + 1 - done))):
+        digest.update(chunk)
+        done += len(chunk)
+    return digest.hexdigest(), done, header
+
+
+def _verify_shard(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    manifest: Mapping[str, Any],
+    file_name: str,
+    *,
+    retry: RetryPolicy,
+    stop: threading.Event | None,
+) -> None:
+    """Check one shard as a load would, streaming it: a regular file of the folder, of the manifest's size,
+    sha256, header and tensors; memory stays bounded whatever its size."""
+    url = url_of(fs, root)
+    rec = manifest["shards"][file_name]
+    source = f"{url!r}: shard {file_name!r}"
+
+    def hashed() -> tuple[str, int, codec.Header | HandoffCorruptError]:
+        with open_in(fs, root, file_name, error=HandoffCorruptError, what=source) as f:
+            size = size_of(f)
+            _check_bytes(url, file_name, rec, size, None)  # before reading a byte of it
+            return _hash_file(f, size, source)
+
+    try:
+        digest, done, header = _transfer(
+            hashed, what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop
+        )
+    except FileNotFoundError:
+        raise _ShardVanished(_missing_message(url, file_name)) from None
+    _check_bytes(url, file_name, rec, done, digest)
+    if isinstance(header, HandoffCorruptError):  # the hash matched, so only a forged manifest gets here
+        raise header
+    found = {t.name: (t.dtype, list(t.shape)) for t in header.tensors}
+    expected = shard_names(manifest["weight_map"], list(manifest["shards"]))[file_name]
+    _check_contents(url, file_name, expected, found, manifest["tensors"])
 
 
 def _load(
@@ -1104,29 +1147,34 @@ def _read_shard(
     verify: bool = True,
 ) -> dict[str, torch.Tensor]:
     """One shard's tensors, its size and sha256 checked against the manifest before it is parsed (without
-    ``verify``, or for a local file this process has already hashed, its size only, and mapped lazily)."""
+    ``verify``, or for a local file this process has already hashed, its size only, and mapped lazily). The
+    file must be a regular file of the folder, and its size the manifest's before a byte of it is read."""
     url = url_of(fs, root)
-    rec, path = manifest["shards"][file_name], join(root, file_name)
-    what = f"read shard {file_name!r} of {url!r}"
+    rec = manifest["shards"][file_name]
+    source = f"{url!r}: shard {file_name!r}"
+
+    def read() -> tuple[torch.Tensor, str | None]:
+        with open_in(fs, root, file_name, error=HandoffCorruptError, what=source) as f:
+            _check_bytes(url, file_name, rec, size_of(f), None)
+            if is_local(fs) and (not verify or _local_shards.known(join(root, file_name), rec["sha256"], f=f)):
+                return _local_shards.map_file(f, rec["size"]), None
+            if is_local(fs):
+                buffer, digest = _local_shards.read_hashed(f, rec["size"])
+                if digest == rec["sha256"] and buffer.numel() == rec["size"]:
+                    _local_shards.remember(join(root, file_name), digest, f=f)
+                return buffer, digest
+            data = f.read(rec["size"] + 1)
+            digest = hashlib.sha256(data).hexdigest()
+            if not data:
+                return torch.empty(0, dtype=torch.uint8), digest
+            return torch.frombuffer(bytearray(data), dtype=torch.uint8), digest
+
     try:
-        if is_local(fs) and (not verify or _local_shards.known(path, rec["sha256"])):
-            buffer = _transfer(lambda: _local_shards.map_file(path), what=what, retry=retry, stop=stop)
-            _check_bytes(url, file_name, rec, buffer.numel(), None)
-        elif is_local(fs):
-            buffer, digest = _transfer(lambda: _local_shards.read_hashed(path), what=what, retry=retry, stop=stop)
-            _check_bytes(url, file_name, rec, buffer.numel(), digest)
-            _local_shards.remember(path, digest)
-        else:
-            data = _transfer(lambda: fs.cat_file(path), what=what, retry=retry, stop=stop)
-            _check_bytes(url, file_name, rec, len(data), hashlib.sha256(data).hexdigest())
-            buffer = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-            del data
+        buffer, digest = _transfer(read, what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop)
     except FileNotFoundError:
         raise _ShardVanished(_missing_message(url, file_name)) from None
-    try:
-        tensors = _local_shards.tensors_in(buffer)
-    except Exception as exc:  # the hash matched, so only a forged manifest gets here
-        raise HandoffCorruptError(f"{url!r}: shard {file_name!r} is not a safetensors file ({exc})") from None
+    _check_bytes(url, file_name, rec, buffer.numel(), digest)
+    tensors = _local_shards.tensors_in(buffer, source=source)  # the hash matched: only a forged manifest fails here
     found = {name: (_dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()}
     expected = shard_names(manifest["weight_map"], list(manifest["shards"]))[file_name]
     _check_contents(url, file_name, expected, found, manifest["tensors"])

@@ -6,11 +6,14 @@ names ``checkpoint``). The tag folder holds, per data-parallel rank, ``*_optim_s
 of the fp32 master weights, next to the Adam moments) and ``*_model_states.pt`` (shapes, buffers, frozen
 parameters). The tag folder itself may be passed too.
 
-:func:`open_zero_checkpoint` reads only the pickles' structure: every file is memory-mapped and loaded with the
-safe unpickler, so no tensor data is read until :meth:`ZeroCheckpoint.read`. Each read builds one full tensor
-from the ranks' partitions, exactly as DeepSpeed's ``utils/zero_to_fp32.py`` does (stage 1/2: the rank
-partitions of a param group, concatenated; stage 3: each parameter's slice of every rank, concatenated and
-unpadded), then gives the mapped pages back, so memory stays bounded by the largest tensor.
+:func:`open_zero_checkpoint` reads only the pickles' structure (:mod:`stagesafe.zero.rank_file`: the safe
+unpickler on the meta device, nothing mapped), so no tensor data is read until :meth:`ZeroCheckpoint.read`.
+Every count and size the files hold is checked against the files before anything is allocated: the world size
+against the rank files present, each tensor against the bytes its file really holds, each name and shape
+against what a state dict can hold. Each read builds one full tensor from the ranks' partitions, exactly as
+DeepSpeed's ``utils/zero_to_fp32.py`` does (stage 1/2: the rank partitions of a param group, concatenated;
+stage 3: each parameter's slice of every rank, concatenated and unpadded), reading the bytes with ``pread``, so
+memory stays bounded by the largest tensor and a file truncated meanwhile is an error, not a crash.
 
 Differences from ``zero_to_fp32``: frozen parameters of stage-1 checkpoints (which DeepSpeed does not list in
 ``frozen_param_shapes``) are read from the saved module, so they are not lost; tied names are reported as
@@ -19,11 +22,13 @@ aliases of the tensor they share.
 
 from __future__ import annotations
 
+import bisect
 import math
 import os
 import re
 import shutil
 import tempfile
+from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,9 +36,11 @@ from typing import Any
 import torch
 from typing_extensions import Self
 
+from stagesafe.errors import CheckpointFormatError, StageSafeError, clip, shown
 from stagesafe.handoff.fs import basename, is_local, join, resolve, url_of
-from stagesafe.zero.safe_pickle import can_map, release_pages, safe_load
-from stagesafe.errors import CheckpointFormatError
+from stagesafe.handoff.safe_files import read_in
+from stagesafe.zero.rank_file import RankFile
+from stagesafe.zero.safe_pickle import OpaqueRecord
 
 __all__ = ["TensorSpec", "ZeroCheckpoint", "open_zero_checkpoint"]
 
@@ -94,11 +101,18 @@ class TensorSpec:
         return self.numel * self.dtype.itemsize
 
 
+_CHUNK = 16 * 1024 * 1024  # pieces of a tensor are read from the rank files in runs of at most this many bytes
+_MAX_LATEST = 4096  # the 'latest' file holds a tag name
+_MAX_RANK = 2**20  # ranks numbered beyond this are not a data-parallel world DeepSpeed writes
+_UNFORESEEN = (TypeError, ValueError, AttributeError, KeyError, IndexError, OverflowError, RecursionError, RuntimeError)
+
+
 @dataclass(frozen=True)
 class _Source:
-    """Where a tensor's values are: ``pieces`` is a list of (flat source tensor, start, length) in output order."""
+    """Where a tensor's values are: ``pieces`` is a list of (rank file, its flat tensor, start, length) in output
+    order; every tensor was checked against its file."""
 
-    pieces: tuple[tuple[torch.Tensor, int, int], ...]
+    pieces: tuple[tuple[RankFile, torch.Tensor, int, int], ...]
 
 
 class ZeroCheckpoint:
@@ -117,8 +131,8 @@ class ZeroCheckpoint:
         specs: dict[str, TensorSpec],
         aliases: dict[str, str],
         sources: dict[str, _Source],
-        mapped: bool,
-        client_state: dict[str, Any],
+        files: list[RankFile],
+        client_state: tuple[RankFile, dict[str, Any]],
         staging_dir: str | None,
     ):
         self.url = url  #: the folder as given
@@ -130,12 +144,22 @@ class ZeroCheckpoint:
         self.ds_version = ds_version
         self.tensors = specs  #: stored tensors in DeepSpeed's state-dict order: buffers, frozen, trained
         self.aliases = aliases  #: tied name -> the stored name it shares its tensor with
-        self.client_state = client_state  #: non-DeepSpeed entries of rank 0's model states (Lightning's, say)
+        self._unread_client_state: tuple[RankFile, dict[str, Any]] | None = client_state  # read on first use
+        self._client_state: dict[str, Any] = {}
         self._sources = sources
-        self._mapped = mapped
+        self._files = files
         self._staging_dir = staging_dir
 
     # -- description --------------------------------------------------------------------------------------------
+    @property
+    def client_state(self) -> dict[str, Any]:
+        """The non-DeepSpeed entries of rank 0's model states (Lightning's, say), their tensors read on first use."""
+        if self._unread_client_state is not None:
+            file, states = self._unread_client_state
+            self._client_state = {k: _materialize(file, v) for k, v in states.items()}
+            self._unread_client_state = None
+        return dict(self._client_state)
+
     def state_dict_names(self) -> list[str]:
         """Every name of the state dict, tied names last, as DeepSpeed's reader orders them."""
         return [*self.tensors, *self.aliases]
@@ -146,37 +170,30 @@ class ZeroCheckpoint:
 
     # -- reading ------------------------------------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` (a stored name, not an alias), newly allocated: no view of the mapped files."""
+        """The full tensor ``name`` (a stored name, not an alias), newly allocated."""
         spec = self.tensors[name]
         flat = torch.empty(spec.numel, dtype=spec.dtype)
         pos = 0
-        for piece in self._views(name):
-            flat.narrow(0, pos, piece.numel()).copy_(piece)  # casts a bf16/fp16 buffer to fp32 on the way
-            pos += piece.numel()
-            self.release(piece)
-        if pos != spec.numel:  # pragma: no cover - _build checks every length up front
-            raise CheckpointFormatError(f"{self.tag_url!r}: read {pos} of {spec.numel} elements of {name!r}")
+        for file, tensor, start, length in self._sources[name].pieces:
+            target = flat.narrow(0, pos, length)
+            if tensor.dtype == spec.dtype:
+                file.read_into(tensor, start, target)
+            else:  # a bf16/fp16 buffer read as fp32
+                piece = torch.empty(length, dtype=tensor.dtype)
+                file.read_into(tensor, start, piece)
+                target.copy_(piece)
+            pos += length
         return flat.view(spec.shape)
 
-    def pieces(self, name: str) -> tuple[torch.Tensor, ...] | None:
-        """The tensor ``name`` as views of the mapped files, its flat values in order, to be written without
-        joining them into a new tensor (hand each to :meth:`release` once used); ``None`` where a piece needs a
-        cast (a 16-bit buffer read as fp32) or the files are not mapped: use :meth:`read` then."""
+    def pieces(self, name: str) -> Iterable[torch.Tensor] | None:
+        """The tensor ``name``'s flat values in order, as consecutive pieces of at most 16 MiB, each read from
+        the rank files when the iteration reaches it (iterate once), to be written without joining them into
+        one tensor; ``None`` where a piece needs a cast (a 16-bit buffer read as fp32): use :meth:`read` then."""
         spec = self.tensors[name]
-        parts = self._views(name)
-        if not self._mapped or any(part.dtype != spec.dtype for part in parts):
-            return None
-        return parts
-
-    def _views(self, name: str) -> tuple[torch.Tensor, ...]:
-        """The non-empty pieces of ``name``'s flat values, in order, as views of their source tensors."""
         pieces = self._sources[name].pieces
-        return tuple(tensor.view(-1).narrow(0, start, length) for tensor, start, length in pieces if length > 0)
-
-    def release(self, piece: torch.Tensor) -> None:
-        """Give back the pages of a piece from :meth:`pieces` that has been used."""
-        if self._mapped:
-            release_pages(piece)
+        if any(tensor.dtype != spec.dtype for _, tensor, _, _ in pieces):
+            return None
+        return _read_in_runs(pieces)
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for the stored tensors (default: all, in order), one at a time."""
@@ -191,9 +208,12 @@ class ZeroCheckpoint:
         return out
 
     def close(self) -> None:
-        """Drop the mapped files (and the local copy of a remote checkpoint)."""
+        """Close the rank files (and delete the local copy of a remote checkpoint)."""
         self._sources = {}
-        self.client_state = {}
+        self._unread_client_state, self._client_state = None, {}
+        for file in self._files:
+            file.close()
+        self._files = []
         if self._staging_dir is not None:
             shutil.rmtree(self._staging_dir, ignore_errors=True)
             self._staging_dir = None
@@ -221,8 +241,8 @@ def open_zero_checkpoint(
     """Find and open the DeepSpeed checkpoint at ``src`` (a local path or an fsspec URL).
 
     ``tag`` picks the tag folder (default: the one the ``latest`` file names). A remote checkpoint's rank files
-    are first copied to a local temporary folder (under ``TMPDIR``; deleted on close), since they are read
-    memory-mapped. Raises
+    are first copied to a local temporary folder (under ``TMPDIR``; deleted on close), since only the bytes of
+    the weights are read from them, where they lie. Raises
     :class:`~stagesafe.errors.CheckpointFormatError` saying what was expected when ``src`` is not a checkpoint
     or lacks rank files, :class:`~stagesafe.errors.UnsafeCheckpointError` for a file the safe loader refuses.
     """
@@ -235,6 +255,7 @@ def open_zero_checkpoint(
         local_dir = tag_dir
     else:
         staging = local_dir = tempfile.mkdtemp(prefix="stagesafe-src-")
+    opened: list[RankFile] = []
     try:
         files = _rank_files(tag_url, names)
         if staging is not None:  # one call: fsspec fetches the files concurrently where the backend can
@@ -248,10 +269,20 @@ def open_zero_checkpoint(
             local_dir=local_dir,
             files=files,
             exclude_frozen=exclude_frozen,
+            opened=opened,
         )
-    except BaseException:
+    except BaseException as exc:
+        for file in opened:
+            file.close()
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
+        if isinstance(exc, _UNFORESEEN) and not isinstance(exc, StageSafeError):
+            # A structure no check of _build foresaw: still the input's fault, and said so in one line.
+            raise CheckpointFormatError(
+                f"{tag_url!r}: the rank files do not hold what DeepSpeed writes ({type(exc).__name__}: "
+                f"{clip(str(exc), 160)}); they were crafted or damaged, or written by a DeepSpeed stagesafe does "
+                "not read"
+            ) from None
         raise
     ckpt._staging_dir = staging
     return ckpt
@@ -302,13 +333,16 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
     files, dirs = _list(fs, root)
     has_rank_files = any(_STATE_FILE_RE.fullmatch(n) for n in files)
     if "latest" in files:
-        named = fs.cat_file(join(root, "latest")).decode("utf-8", "replace").strip()
-        chosen = tag if tag is not None else named
+        chosen = tag
+        if chosen is None:
+            what = f"{url}/latest"
+            named = read_in(fs, root, "latest", limit=_MAX_LATEST, error=CheckpointFormatError, what=what)
+            chosen = named.decode("utf-8", "replace").strip()
         if chosen not in dirs:
             where = "--tag (tag=)" if tag is not None else "its 'latest' file"
             tags = [d for d in dirs if _has_rank_files(fs, join(root, d))]
-            hint = f"tags present: {tags}" if tags else "it holds no tag folder with rank files"
-            raise CheckpointFormatError(f"{url!r} has no tag folder {chosen!r} (named by {where}); {hint}")
+            hint = f"tags present: {shown(tags[:20], 400)}" if tags else "it holds no tag folder with rank files"
+            raise CheckpointFormatError(f"{url!r} has no tag folder {shown(chosen)} (named by {where}); {hint}")
         return chosen, join(root, chosen), "lightning" if chosen == "checkpoint" else "deepspeed"
     if has_rank_files:
         if tag is not None:
@@ -321,17 +355,20 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
     if tag is not None:
         if tag in dirs and tag in tags:
             return tag, join(root, tag), "deepspeed"
-        hint = f"tags present: {tags}" if tags else f"it holds no tag folder with rank files; {_EXPECTED}"
+        present = f"tags present: {shown(tags[:20], 400)}"
+        hint = present if tags else f"it holds no tag folder with rank files; {_EXPECTED}"
         raise CheckpointFormatError(f"{url!r} has no tag folder {tag!r} (named by --tag (tag=)); {hint}")
     if tags:
         raise CheckpointFormatError(
-            f"{url!r} has no 'latest' file to say which tag to read; pass --tag (tag=) with one of {tags}"
+            f"{url!r} has no 'latest' file to say which tag to read; pass --tag (tag=) with one of "
+            f"{shown(tags[:20], 400)}"
         )
     inner = [d for d in dirs[:200] if fs.isfile(join(join(root, d), "latest"))]
     if inner:
-        shown = ", ".join(repr(url_of(fs, join(root, d))) for d in inner[-3:])
+        examples = ", ".join(repr(url_of(fs, join(root, d))) for d in inner[-3:])
         raise CheckpointFormatError(
-            f"{url!r} is not a DeepSpeed checkpoint but holds {len(inner)} of them in sub-folders; pass one, e.g. {shown}"
+            f"{url!r} is not a DeepSpeed checkpoint but holds {len(inner)} of them in sub-folders; pass one, "
+            f"e.g. {examples}"
         )
     if parent and (fs.isfile(join(parent, "latest")) or _has_rank_files(fs, parent)):
         raise CheckpointFormatError(
@@ -407,47 +444,110 @@ def _rank_files(tag_url: str, names: Sequence[str]) -> _RankFiles:
 # -- reading the structure -----------------------------------------------------------------------------------------
 
 
-def _load(local_dir: str, name: str, tag_url: str) -> tuple[Any, bool]:
-    path = os.path.join(local_dir, name)
-    mapped = can_map(path)
-    obj = safe_load(path, mmap=mapped, display_name=f"{tag_url}/{name}")
-    if not isinstance(obj, dict):
-        raise CheckpointFormatError(f"{tag_url}/{name} holds a {type(obj).__name__}, not DeepSpeed's dict of states")
-    return obj, mapped
+class _Structure:
+    """Checks of the values a rank file's pickle holds: each refusal names the file and what DeepSpeed writes."""
+
+    def __init__(self, file: RankFile):
+        self.file = file
+
+    def bad(self, what: str) -> CheckpointFormatError:
+        return CheckpointFormatError(
+            f"{self.file.display}: {what}; DeepSpeed does not write that: the file was crafted or damaged"
+        )
+
+    def mapping(self, value: Any, what: str) -> Mapping:
+        if not isinstance(value, Mapping):
+            raise self.bad(f"{what} is {shown(value, 80)}, not a dict")
+        return value
+
+    def sequence(self, value: Any, what: str) -> Sequence:
+        if not isinstance(value, (list, tuple)):
+            raise self.bad(f"{what} is {shown(value, 80)}, not a list")
+        return value
+
+    def count(self, value: Any, what: str) -> int:
+        if type(value) is not int or not 0 <= value <= 2**62:
+            raise self.bad(f"{what} is {shown(value, 80)}, not a count")
+        return value
+
+    def name(self, value: Any, what: str) -> str:
+        if not isinstance(value, str) or not value:
+            raise self.bad(f"{what} has the name {shown(value, 80)}, not a non-empty str")
+        return value
+
+    def shape(self, value: Any, name: str) -> tuple[int, ...]:
+        """A shape of non-negative ints, whose element count stays below 2**62 (it is bounded by the file anyway)."""
+        if not isinstance(value, (list, tuple)) or len(value) > 64:
+            raise self.bad(f"the shape of {shown(name, 80)} is {shown(value, 80)}, not a list of sizes")
+        n = 1
+        for d in value:
+            if type(d) is not int or d < 0:
+                raise self.bad(f"the shape of {shown(name, 80)} is {shown(value, 80)}: sizes are non-negative ints")
+            n *= d
+            if n > 2**62:
+                raise self.bad(f"the shape of {shown(name, 80)} is {shown(value, 80)}, far more elements than any file")
+        return tuple(value)
+
+
+def _load(local_dir: str, name: str, tag_url: str, opened: list[RankFile]) -> tuple[RankFile, dict]:
+    file = RankFile(local_dir, name, display=f"{tag_url}/{name}")
+    opened.append(file)
+    if not isinstance(file.content, dict):
+        raise CheckpointFormatError(
+            f"{tag_url}/{name} holds a {type(file.content).__name__}, not DeepSpeed's dict of states"
+        )
+    return file, file.content
 
 
 def _missing_ranks(tag_url: str, have: Mapping[int, str], world_size: int, example: str, what: str) -> None:
-    missing = [r for r in range(world_size) if r not in have]
+    missing = []
+    for rank in range(min(world_size, len(have) + 4)):  # the first few missing, whatever world_size claims
+        if rank not in have:
+            missing.append(rank)
     extra = sorted(r for r in have if r >= world_size)
     if missing:
         names = [re.sub(r"rank_\d+_mp", f"rank_{r}_mp", example) for r in missing[:3]]
+        held = len(have) - len(extra)
         raise CheckpointFormatError(
-            f"{tag_url!r} is missing rank files {names}{' ...' if len(missing) > 3 else ''}: the checkpoint was "
-            f"written by {world_size} ranks (partition_count in rank 0's {what}) but only {len(have) - len(extra)} "
-            "of their files are here; a rank's save failed or the folder was copied partially"
+            f"{tag_url!r} is missing rank files {names}{' ...' if world_size - held > 3 else ''}: the checkpoint was "
+            f"written by {world_size} ranks (partition_count in rank 0's {what}) but only {held} of their files are "
+            "here; a rank's save failed or the folder was copied partially"
         )
     if extra:
         raise CheckpointFormatError(
-            f"{tag_url!r} holds files of ranks {extra} beyond the {world_size} that wrote this checkpoint; a "
-            "checkpoint of another run was saved into the same folder: save into an empty folder"
+            f"{tag_url!r} holds files of ranks {shown(extra[:10], 200)} beyond the {world_size} that wrote this "
+            "checkpoint; a checkpoint of another run was saved into the same folder: save into an empty folder"
         )
 
 
+def _world_size(check: _Structure, partition_count: Any) -> int:
+    counts = list(partition_count) if isinstance(partition_count, (list, tuple)) else [partition_count]
+    if not counts or any(type(c) is not int or not 1 <= c <= _MAX_RANK for c in counts):
+        raise check.bad(f"partition_count is {shown(partition_count, 80)}, not a positive number of ranks")
+    return max(counts)
+
+
 def _build(
-    *, url: str, tag: str, tag_url: str, layout: str, local_dir: str, files: _RankFiles, exclude_frozen: bool
+    *,
+    url: str,
+    tag: str,
+    tag_url: str,
+    layout: str,
+    local_dir: str,
+    files: _RankFiles,
+    exclude_frozen: bool,
+    opened: list[RankFile],
 ) -> ZeroCheckpoint:
-    mapped = True
-    first, m = _load(local_dir, files.optim[min(files.optim)], tag_url)
-    mapped &= m
+    first_file, first = _load(local_dir, files.optim[min(files.optim)], tag_url, opened)
+    check = _Structure(first_file)
     osd0 = first.get("optimizer_state_dict")
     if not isinstance(osd0, dict) or "partition_count" not in osd0:
         raise CheckpointFormatError(
             f"{tag_url}/{files.optim[min(files.optim)]} has no ZeRO optimizer state (optimizer_state_dict with "
             "partition_count); it is not a ZeRO checkpoint file"
         )
-    stage = _stage(osd0, first)
-    partition_count = osd0["partition_count"]
-    world_size = max(partition_count) if isinstance(partition_count, (list, tuple)) else int(partition_count)
+    stage = _stage(check, osd0, first)
+    world_size = _world_size(check, osd0["partition_count"])
     _missing_ranks(tag_url, files.optim, world_size, files.optim[min(files.optim)], "optimizer file")
     if (stage == 3) != files.zero3_model:
         raise CheckpointFormatError(
@@ -455,18 +555,17 @@ def _build(
             f"{'3' if files.zero3_model else '1/2'}; files of two runs are mixed, save into an empty folder"
         )
     groups_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    flat: list[list[torch.Tensor]] = []
+    flat: list[list[tuple[RankFile, torch.Tensor]]] = []
     for rank in range(world_size):
         if rank == 0 and min(files.optim) == 0:
-            sd = first
+            file, sd = first_file, first
         else:
-            sd, m = _load(local_dir, files.optim[rank], tag_url)
-            mapped &= m
-        groups = sd.get("optimizer_state_dict", {}).get(groups_key)
-        if not isinstance(groups, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in groups):
-            raise CheckpointFormatError(f"{tag_url}/{files.optim[rank]} has no '{groups_key}' list of tensors")
-        flat.append(list(groups))
-        del sd  # the Adam moments and the rest: never read, dropped with the dict
+            file, sd = _load(local_dir, files.optim[rank], tag_url, opened)
+        rank_check = _Structure(file)
+        osd = rank_check.mapping(sd.get("optimizer_state_dict", {}), "optimizer_state_dict")
+        groups = rank_check.sequence(osd.get(groups_key), f"{groups_key!r}")
+        flat.append([(file, file.check(t, f"{groups_key}[{i}]").view(-1)) for i, t in enumerate(groups)])
+        del sd, osd  # the Adam moments and the rest: never read, dropped with the dict
     paddings = osd0.get("param_alignment_paddings")
     del first, osd0
 
@@ -474,10 +573,9 @@ def _build(
         _missing_ranks(tag_url, files.model, world_size, files.model[min(files.model)], "optimizer file")
     models = []
     for rank in sorted(files.model):
-        sd, m = _load(local_dir, files.model[rank], tag_url)
-        mapped &= m
-        models.append(sd)
-    model0 = models[0]
+        models.append(_load(local_dir, files.model[rank], tag_url, opened))
+    model0_file, model0 = models[0]
+    check = _Structure(model0_file)
     for key in ("module", "buffer_names", "param_shapes"):
         if key not in model0:
             raise CheckpointFormatError(f"{tag_url}/{files.model[0]} has no {key!r}: it is not a model-states file")
@@ -493,57 +591,69 @@ def _build(
     specs: dict[str, TensorSpec] = {}
     sources: dict[str, _Source] = {}
 
-    def add(name: str, dtype: torch.dtype, shape: Sequence[int], kind: str, source: _Source) -> None:
+    def add(name: Any, dtype: torch.dtype, shape: Any, kind: str, pieces: list) -> None:
+        name = check.name(name, f"a {kind} tensor")
         if name in specs:
             raise CheckpointFormatError(
-                f"{tag_url!r}: tensor {name!r} is listed twice (as {specs[name].kind} and {kind})"
+                f"{tag_url!r}: tensor {shown(name)} is listed twice (as {specs[name].kind} and {kind})"
             )
-        spec = TensorSpec(name, dtype, tuple(int(d) for d in shape), kind)
-        if sum(length for _, _, length in source.pieces) != spec.numel:
+        spec = TensorSpec(name, dtype, check.shape(shape, name), kind)
+        held = sum(length for _, _, _, length in pieces)
+        if held != spec.numel:
             raise CheckpointFormatError(
-                f"{tag_url!r}: the rank files hold {sum(n for _, _, n in source.pieces)} elements for {name!r}, "
-                f"whose shape {list(spec.shape)} needs {spec.numel}; the files do not belong together"
+                f"{tag_url!r}: the rank files hold {held} elements for {shown(name)}, whose shape "
+                f"{list(spec.shape)[:8]} needs {spec.numel}; the files do not belong together"
             )
         specs[name] = spec
-        sources[name] = source
+        sources[name] = _Source(tuple(p for p in pieces if p[3] > 0))
 
     # Buffers, in the saved module's order; floating ones as fp32, like zero_to_fp32.
-    buffer_names = set(model0["buffer_names"])
-    module = model0["module"]
+    buffer_names = {n for n in check.sequence(list(model0["buffer_names"]), "buffer_names") if isinstance(n, str)}
+    module = check.mapping(model0["module"], "module")
     for name, value in module.items():
         if name in buffer_names and isinstance(value, torch.Tensor):
+            value = model0_file.check(value, f"buffer {shown(name, 80)}")
             dtype = torch.float32 if value.is_floating_point() else value.dtype
-            add(name, dtype, value.shape, "buffer", _Source(((value, 0, value.numel()),)))
+            add(name, dtype, value.shape, "buffer", [(model0_file, value.view(-1), 0, value.numel())])
 
     param_shapes = model0["param_shapes"]
     if isinstance(param_shapes, Mapping):
         param_shapes = [param_shapes]
+    param_shapes = [
+        check.mapping(group, "a group of param_shapes") for group in check.sequence(param_shapes, "param_shapes")
+    ]
     trained = {name for group in param_shapes for name in group}
-    shared = dict(model0.get("shared_params") or {})
+    shared = dict(check.mapping(model0.get("shared_params") or {}, "shared_params"))
 
     # Frozen parameters.
     frozen_shapes = model0.get("frozen_param_shapes")
     if not exclude_frozen:
         if frozen_shapes:
-            for name, shape in frozen_shapes.items():
-                numel = math.prod(shape)
+            for name, shape in check.mapping(frozen_shapes, "frozen_param_shapes").items():
+                numel = math.prod(check.shape(shape, name))
                 if stage == 3:
-                    frags = [sd.get("frozen_param_fragments", {}).get(name) for sd in models]
-                    if any(f is None for f in frags):
-                        raise CheckpointFormatError(
-                            f"{tag_url!r}: a rank's model states lack the frozen parameter {name!r}"
-                        )
+                    frags = []
+                    for file, sd in models:
+                        fragments = _Structure(file).mapping(sd.get("frozen_param_fragments", {}), "frozen fragments")
+                        if fragments.get(name) is None:
+                            raise CheckpointFormatError(
+                                f"{tag_url!r}: a rank's model states lack the frozen parameter {shown(name)}"
+                            )
+                        frags.append((file, file.check(fragments[name], f"frozen {shown(name, 80)}").view(-1)))
                     pieces, left = [], numel
-                    for frag in frags:
+                    for file, frag in frags:
                         take = min(frag.numel(), left)
-                        pieces.append((frag, 0, take))
+                        pieces.append((file, frag, 0, take))
                         left -= take
-                    add(name, frags[0].dtype, shape, "frozen", _Source(tuple(pieces)))
+                    add(name, frags[0][1].dtype, shape, "frozen", pieces)
                 else:
-                    frag = (model0.get("frozen_param_fragments") or {}).get(name)
-                    if frag is None:
-                        raise CheckpointFormatError(f"{tag_url!r}: the model states lack the frozen parameter {name!r}")
-                    add(name, frag.dtype, shape, "frozen", _Source(((frag, 0, frag.numel()),)))
+                    fragments = check.mapping(model0.get("frozen_param_fragments") or {}, "frozen_param_fragments")
+                    if fragments.get(name) is None:
+                        raise CheckpointFormatError(
+                            f"{tag_url!r}: the model states lack the frozen parameter {shown(name)}"
+                        )
+                    frag = model0_file.check(fragments[name], f"frozen {shown(name, 80)}").view(-1)
+                    add(name, frag.dtype, shape, "frozen", [(model0_file, frag, 0, frag.numel())])
         elif stage < 3 and frozen_shapes is None:
             # Stage 1 does not list frozen parameters; the saved module holds them whole, in the training dtype.
             for name, value in module.items():
@@ -554,16 +664,22 @@ def _build(
                     and isinstance(value, torch.Tensor)
                     and value.numel() > 0
                 ):
-                    add(name, value.dtype, value.shape, "frozen", _Source(((value, 0, value.numel()),)))
+                    value = model0_file.check(value, f"frozen {shown(name, 80)}")
+                    add(name, value.dtype, value.shape, "frozen", [(model0_file, value.view(-1), 0, value.numel())])
 
     # Trained parameters: the fp32 master weights.
     if stage == 3:
-        _zero3_params(tag_url, flat, param_shapes, world_size, add)
+        _zero3_params(tag_url, check, flat, param_shapes, world_size, add)
     else:
-        _zero12_params(tag_url, flat, param_shapes, world_size, paddings, add)
+        _zero12_params(tag_url, check, flat, param_shapes, world_size, paddings, add)
 
-    aliases = {alias: canonical for alias, canonical in shared.items() if canonical in specs and alias not in specs}
-    client_state = {k: v for k, v in model0.items() if k not in _DEEPSPEED_KEYS}
+    aliases = {
+        alias: canonical
+        for alias, canonical in shared.items()
+        if isinstance(alias, str) and alias and isinstance(canonical, str) and canonical in specs and alias not in specs
+    }
+    client_state = (model0_file, {k: v for k, v in model0.items() if k not in _DEEPSPEED_KEYS})
+    ds_version = model0.get("ds_version")
     return ZeroCheckpoint(
         url=url,
         tag=tag,
@@ -571,70 +687,86 @@ def _build(
         layout=layout,
         stage=stage,
         world_size=world_size,
-        ds_version=model0.get("ds_version"),
+        ds_version=ds_version if isinstance(ds_version, str) and len(ds_version) <= 100 else None,
         specs=specs,
         aliases=aliases,
         sources=sources,
-        mapped=mapped,
+        files=opened,
         client_state=client_state,
         staging_dir=None,
     )
 
 
-def _stage(osd: Mapping[str, Any], sd: Mapping[str, Any]) -> int:
+def _stage(check: _Structure, osd: Mapping[str, Any], sd: Mapping[str, Any]) -> int:
     stage = osd.get("zero_stage")
     if stage is None:  # DeepSpeed's BF16_Optimizer (bf16 with ZeRO-1) does not record it; its config does
         config = sd.get("ds_config") or {}
-        stage = (config.get("zero_optimization") or {}).get("stage", 1)
-    stage = int(stage)
-    if stage not in (1, 2, 3):
-        raise CheckpointFormatError(f"ZeRO stage {stage} is not one stagesafe reads (1, 2 or 3)")
+        zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
+        stage = zero.get("stage", 1) if isinstance(zero, Mapping) else 1
+    if type(stage) is not int or stage not in (1, 2, 3):
+        raise CheckpointFormatError(f"ZeRO stage {shown(stage, 40)} is not one stagesafe reads (1, 2 or 3)")
     return stage
 
 
-def _ranges(tensors: Sequence[torch.Tensor], start: int, length: int) -> list[tuple[torch.Tensor, int, int]]:
-    """Pieces of the virtual concatenation of 1-D ``tensors`` covering ``[start, start + length)``."""
+def _ranges(
+    parts: Sequence[tuple[RankFile, torch.Tensor]], ends: Sequence[int], start: int, length: int
+) -> list[tuple[RankFile, torch.Tensor, int, int]]:
+    """Pieces of the virtual concatenation of the 1-D tensors ``parts``, whose cumulative ends are ``ends``,
+    covering ``[start, start + length)``; found by bisection, so many parts cost no more than a few."""
     pieces = []
-    offset = 0
-    for t in tensors:
-        n = t.numel()
-        if length > 0 and start < offset + n and start + length > offset:
-            lo = max(start, offset)
-            hi = min(start + length, offset + n)
-            pieces.append((t, lo - offset, hi - lo))
-        offset += n
+    i = bisect.bisect_right(ends, start)
+    while length > 0 and i < len(parts):
+        file, tensor = parts[i]
+        begin = ends[i] - tensor.numel()
+        take = min(start + length, ends[i]) - start
+        if take > 0:
+            pieces.append((file, tensor, start - begin, take))
+            start += take
+            length -= take
+        i += 1
     return pieces
 
 
+def _ends(parts: Sequence[tuple[RankFile, torch.Tensor]]) -> list[int]:
+    ends, total = [], 0
+    for _, tensor in parts:
+        total += tensor.numel()
+        ends.append(total)
+    return ends
+
+
 def _zero12_params(
-    tag_url: str, flat: list[list[torch.Tensor]], param_shapes: list, world_size: int, paddings: Any, add
+    tag_url: str, check: _Structure, flat: list[list], param_shapes: list, world_size: int, paddings: Any, add
 ) -> None:
     """Stage 1/2: group ``g`` is the concatenation of every rank's partition ``g``; params lie in it in order."""
     n_groups = len(flat[0])
     if any(len(groups) != n_groups for groups in flat) or len(param_shapes) != n_groups:
         raise CheckpointFormatError(
             f"{tag_url!r}: the rank files disagree on the number of parameter groups "
-            f"({[len(g) for g in flat]} partitions, {len(param_shapes)} groups of shapes)"
+            f"({shown([len(g) for g in flat], 80)} partitions, {len(param_shapes)} groups of shapes)"
         )
+    if paddings is not None:
+        paddings = [check.sequence(p, "param_alignment_paddings") for p in check.sequence(paddings, "paddings")]
     align = 2 * world_size  # ZeRO-2 pads each group to a multiple of 2 * world size (as zero_to_fp32 checks)
     for g, shapes in enumerate(param_shapes):
-        parts = [flat[r][g].view(-1) for r in range(world_size)]
-        avail = sum(p.numel() for p in parts)
-        pads = paddings[g] if paddings is not None else None
-        if pads is not None and len(pads) != len(shapes):
+        parts = [flat[r][g] for r in range(world_size)]
+        ends = _ends(parts)
+        avail = ends[-1] if ends else 0
+        pads = paddings[g] if paddings is not None and g < len(paddings) else None
+        if paddings is not None and (pads is None or len(pads) != len(shapes)):
             raise CheckpointFormatError(
-                f"{tag_url!r}: group {g} has {len(shapes)} params but {len(pads)} alignment paddings"
+                f"{tag_url!r}: group {g} has {len(shapes)} params but {len(pads or ())} alignment paddings"
             )
         offset = 0
         for i, (name, shape) in enumerate(shapes.items()):
-            numel = math.prod(shape)
+            numel = math.prod(check.shape(shape, name))
             if offset + numel > avail:
                 raise CheckpointFormatError(
-                    f"{tag_url!r}: parameter {name!r} ends at element {offset + numel} of group {g}, which holds "
-                    f"{avail}; the files do not belong together"
+                    f"{tag_url!r}: parameter {shown(name)} ends at element {offset + numel} of group {g}, which "
+                    f"holds {avail}; the files do not belong together"
                 )
-            add(name, parts[0].dtype, shape, "param", _Source(tuple(_ranges(parts, offset, numel))))
-            offset += numel + (pads[i] if pads is not None else 0)
+            add(name, parts[0][1].dtype, shape, "param", _ranges(parts, ends, offset, numel))
+            offset += numel + (check.count(pads[i], "an alignment padding") if pads is not None else 0)
         if align * math.ceil(offset / align) != align * math.ceil(avail / align):
             raise CheckpointFormatError(
                 f"{tag_url!r}: the parameters of group {g} take {offset} elements but the ranks hold {avail}; "
@@ -642,27 +774,28 @@ def _zero12_params(
             )
 
 
-def _zero3_params(tag_url: str, flat: list[list[torch.Tensor]], param_shapes: list, world_size: int, add) -> None:
+def _zero3_params(tag_url: str, check: _Structure, flat: list[list], param_shapes: list, world_size: int, add) -> None:
     """Stage 3: each param is split into ``ceil(numel / world)`` elements per rank, at one offset on every rank."""
-    per_rank = [[t.view(-1) for t in groups] for groups in flat]
-    totals = [sum(t.numel() for t in groups) for groups in per_rank]
+    ends = [_ends(groups) for groups in flat]
+    totals = [e[-1] if e else 0 for e in ends]
     if len(set(totals)) != 1:
-        raise CheckpointFormatError(f"{tag_url!r}: the ranks hold partitions of different sizes {totals}")
+        raise CheckpointFormatError(f"{tag_url!r}: the ranks hold partitions of different sizes {shown(totals, 200)}")
+    dtype = flat[0][0][1].dtype if flat[0] else torch.float32
     offset = 0
     for shapes in param_shapes:
         for name, shape in shapes.items():
-            numel = math.prod(shape)
+            numel = math.prod(check.shape(shape, name))
             part = math.ceil(numel / world_size)
             if offset + part > totals[0]:
                 raise CheckpointFormatError(
-                    f"{tag_url!r}: parameter {name!r} needs elements up to {offset + part} on each rank, which holds "
-                    f"{totals[0]}; the files do not belong together"
+                    f"{tag_url!r}: parameter {shown(name)} needs elements up to {offset + part} on each rank, which "
+                    f"holds {totals[0]}; the files do not belong together"
                 )
             pieces = []
             for rank in range(world_size):
                 take = max(0, min(part, numel - rank * part))
-                pieces.extend(_ranges(per_rank[rank], offset, take))
-            add(name, per_rank[0][0].dtype, shape, "param", _Source(tuple(pieces)))
+                pieces.extend(_ranges(flat[rank], ends[rank], offset, take))
+            add(name, dtype, shape, "param", pieces)
             offset += part
     if offset != totals[0]:
         raise CheckpointFormatError(
@@ -671,5 +804,31 @@ def _zero3_params(tag_url: str, flat: list[list[torch.Tensor]], param_shapes: li
         )
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _read_in_runs(pieces: Sequence[tuple[RankFile, torch.Tensor, int, int]]) -> Iterator[torch.Tensor]:
+    """The pieces' elements, in order, read from their files in runs of at most ``_CHUNK`` bytes."""
+    for file, tensor, start, length in pieces:
+        step = max(1, _CHUNK // tensor.element_size())
+        for at in range(start, start + length, step):
+            run = torch.empty(min(step, start + length - at), dtype=tensor.dtype)
+            file.read_into(tensor, at, run)
+            yield run
+
+
+def _materialize(file: RankFile, value: Any, depth: int = 0) -> Any:
+    """``value`` (client state loaded on the meta device) with every tensor read from ``file``."""
+    if isinstance(value, torch.Tensor):
+        return file.materialize(file.check(value, "a tensor of the client state", contiguous=False))
+    if depth > 64:
+        raise CheckpointFormatError(f"{file.display}: the client state is nested more than 64 levels deep")
+    if isinstance(value, dict):
+        out = type(value)() if type(value) in (dict, OrderedDict) else {}
+        for key, item in value.items():
+            out[key] = _materialize(file, item, depth + 1)
+        return out
+    if isinstance(value, list):
+        return [_materialize(file, item, depth + 1) for item in value]
+    if type(value) is tuple:
+        return tuple(_materialize(file, item, depth + 1) for item in value)
+    if isinstance(value, OpaqueRecord):
+        value.__dict__.update({k: _materialize(file, v, depth + 1) for k, v in value.__dict__.items()})
+    return value

@@ -7,8 +7,10 @@ Allowed DeepSpeed and Lightning classes are *not imported*: each name maps to an
 the pickled values, so loading needs neither package and no constructor of theirs runs. Anything else is refused
 with :class:`~stagesafe.errors.UnsafeCheckpointError`, naming the file and the global.
 
-Local zip-format files are memory-mapped (``mmap=True``): tensors are views of the file, read only where used.
-A file torch cannot read at all (truncated, garbled) raises :class:`~stagesafe.errors.CheckpointFormatError`.
+Local zip-format files are memory-mapped (``mmap=True``): tensors are views of the file, read only where used;
+or loaded on the meta device (``meta=True``), for a reader that reads the bytes itself. A file torch cannot read
+(truncated, garbled), or whose allowed objects are built from arguments they refuse, raises
+:class:`~stagesafe.errors.CheckpointFormatError`.
 """
 
 from __future__ import annotations
@@ -16,16 +18,15 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import sys
 import threading
 from collections.abc import Iterable
 from typing import IO, Any
 
 import torch
 
-from stagesafe.errors import CheckpointFormatError, UnsafeCheckpointError
+from stagesafe.errors import CheckpointFormatError, UnsafeCheckpointError, clip
 
-__all__ = ["ALLOWED_GLOBALS", "OpaqueRecord", "can_map", "release_pages", "safe_load"]
+__all__ = ["ALLOWED_GLOBALS", "OpaqueRecord", "can_map", "safe_load"]
 
 
 class OpaqueRecord:
@@ -74,33 +75,38 @@ def safe_load(
     file: str | os.PathLike | IO[bytes],
     *,
     mmap: bool = True,
+    meta: bool = False,
     extra_globals: Iterable[tuple[Any, str]] = (),
     display_name: str | None = None,
 ) -> Any:
     """``torch.load(file, weights_only=True)`` with stagesafe's allow-list, on the CPU.
 
     ``mmap=True`` maps a local zip-format file instead of reading it (legacy-format files and file objects are
-    read). ``extra_globals`` adds ``(stand_in, "module.Name")`` pairs for a caller that knows a file needs them.
-    ``display_name`` is how errors name the file (default: its path).
+    read). ``meta=True`` loads every tensor on the meta device instead: no tensor data is read or mapped, and
+    each storage's offset in the file is its ``_checkpoint_offset`` (:mod:`stagesafe.zero.checkpoint` reads
+    the bytes itself). ``extra_globals`` adds ``(stand_in, "module.Name")`` pairs for a caller that knows a file
+    needs them. ``display_name`` is how errors name the file (default: its path). A file that is not a torch
+    checkpoint, or whose allowed objects are given arguments they refuse, is a ``CheckpointFormatError``.
     """
     name = display_name or (
         os.fspath(file) if isinstance(file, (str, os.PathLike)) else getattr(file, "name", "<file>")
     )
-    use_mmap = mmap and can_map(file)
+    use_mmap = mmap and not meta and can_map(file)
     try:
         # safe_globals edits one process-wide set on entry and exit: serialize, so that no thread's exit takes
         # the allow-list away from another thread's load.
         with _LOCK, torch.serialization.safe_globals([*_SAFE_GLOBALS, *extra_globals]):
-            return torch.load(file, map_location="cpu", weights_only=True, mmap=use_mmap)
+            return torch.load(file, map_location="meta" if meta else "cpu", weights_only=True, mmap=use_mmap)
     except pickle.UnpicklingError as exc:
         raise UnsafeCheckpointError(_refusal_message(file, name, exc)) from None
     except (FileNotFoundError, PermissionError, IsADirectoryError):
         raise
-    except (RuntimeError, EOFError, OSError) as exc:  # torch's zip reader on a truncated or garbled file
-        detail = " ".join(str(exc).split())[:200] or type(exc).__name__
+    except Exception as exc:  # noqa: BLE001 - torch's zip reader on a damaged file, or an allowed class given
+        # arguments it refuses (int("x"), dict(3)): whatever the file holds, the caller gets one clear error
+        detail = clip(" ".join(str(exc).split()), 200) or type(exc).__name__
         raise CheckpointFormatError(
-            f"{name} cannot be read as a torch checkpoint file ({detail}); it is damaged or truncated: was it "
-            "written or copied completely?"
+            f"{name} cannot be read as a torch checkpoint file ({type(exc).__name__}: {detail}); it is damaged, "
+            "truncated or not a checkpoint DeepSpeed wrote: was it written or copied completely?"
         ) from None
 
 
@@ -133,51 +139,14 @@ def _refusal_message(file: Any, name: str, exc: Exception) -> str:
 def _refused_globals(file: Any, exc: Exception) -> list[str]:
     """Every global of the file outside torch's and our allow-lists (falls back to the one named in ``exc``)."""
     found: list[str] = []
-    if isinstance(file, (str, os.PathLike)):
-        try:
-            found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(file) if g not in ALLOWED_GLOBALS]
-        except Exception:  # noqa: BLE001 - a file too broken to scan: the error from torch.load is all there is
-            found = []
+    try:
+        if not isinstance(file, (str, os.PathLike)):
+            file.seek(0)
+        found = [g for g in torch.serialization.get_unsafe_globals_in_checkpoint(file) if g not in ALLOWED_GLOBALS]
+    except Exception:  # noqa: BLE001 - a file too broken to scan: the error from torch.load is all there is
+        found = []
     if not found:
         match = re.search(r"GLOBAL ([\w.]+)", str(exc))
         if match:
             found = [match.group(1)]
     return found
-
-
-# -- giving mapped pages back ----------------------------------------------------------------------------------
-
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-_MADV_DONTNEED = 4  # same value on Linux and macOS
-_madvise = None
-if sys.platform.startswith("linux") or sys.platform == "darwin":
-    try:
-        import ctypes
-        import ctypes.util
-
-        _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
-        _madvise = _libc.madvise
-        _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        _madvise.restype = ctypes.c_int
-    except (OSError, AttributeError):  # pragma: no cover - no libc with madvise: pages stay until unmapped
-        _madvise = None
-
-
-def release_pages(tensor: torch.Tensor) -> None:
-    """Drop the whole pages under ``tensor``'s bytes from this process's resident set, if it is memory-mapped.
-
-    Pages of a read-only, privately mapped file that were read are clean: the kernel drops them and reads them
-    from the file again if touched. Without this, every byte read from a mapped checkpoint stays counted in the
-    resident set until the file is closed.
-
-    Only for tensors of a file that :func:`safe_load` mapped (:func:`can_map` was true): on ordinary memory
-    the same call would zero the pages.
-    """
-    if _madvise is None or tensor.numel() == 0 or tensor.device.type != "cpu":
-        return
-    start = tensor.data_ptr()
-    end = start + tensor.numel() * tensor.element_size()
-    first = -(-start // _PAGE) * _PAGE  # only pages entirely inside: neighbours may still be in use
-    last = end // _PAGE * _PAGE
-    if last > first:
-        _madvise(first, last - first, _MADV_DONTNEED)
