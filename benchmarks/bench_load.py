@@ -41,7 +41,7 @@ def main() -> None:
     n = int(args.gb * 1e9 / 4 / 2**22)
     state = {f"layer{i}.weight": torch.randn(2**11, 2**11) for i in range(n)}
     uri = os.path.join(args.root, "handoff")
-    stagesafe.save_state_dict(state, uri, max_shard_size=args.shard)
+    stagesafe.save_state_dict(state, uri, max_shard_size=args.shard, overwrite=True)
     nbytes = sum(t.nbytes for t in state.values())
     del state
     shards = sorted(glob.glob(os.path.join(uri, "*.safetensors")))

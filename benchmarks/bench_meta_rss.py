@@ -104,6 +104,7 @@ def main() -> None:
         stagesafe.save_state_dict(
             {f"body.{i}.{k}": v for i in range(layers) for k, v in torch.nn.Linear(args.width, args.width).state_dict().items()},
             handoff,
+            overwrite=True,
         )
         for mode in ("cpu", "meta"):
             out = os.path.join(args.root, f"{mode}-{layers}")

@@ -29,11 +29,11 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_boundary import disk_write_seconds  # noqa: E402
 
-import stagesafe  # noqa: E402
-from stagesafe.lightning import inflight as _inflight  # noqa: E402
+from stagesafe.handoff.fs import resolve  # noqa: E402
+from stagesafe.handoff.store import Commit, commit_handoff, live_files, plan_handoff, remove_replaced, write_shards  # noqa: E402,E501
+from stagesafe.lightning.agree import JobChannel  # noqa: E402
 from stagesafe.lightning.host import HostBuffers  # noqa: E402
 from stagesafe.lightning.shared_write import write_share  # noqa: E402
-from stagesafe.handoff.store import remove_stale  # noqa: E402
 
 _SHARD = "1GB"
 
@@ -44,16 +44,24 @@ def weights(gb: float, tensors: int = 40) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(per) for i in range(tensors)}
 
 
-def write(values: dict[str, torch.Tensor], uri: str, every_rank: bool, remove: bool) -> dict | None:
-    """The handoff, committed; ``remove``: the replaced handoff's files deleted too. The manifest on rank 0."""
+_writes = iter(range(1 << 30))
+
+
+def write(values: dict[str, torch.Tensor], uri: str, every_rank: bool, remove: bool) -> Commit | None:
+    """The handoff, committed, as the strategy's writer commits it; ``remove``: the replaced handoff's files
+    deleted too, before returning. The commit on rank 0."""
+    done = None
     if every_rank:
-        return write_share(
-            values, uri, None, max_shard_size=_SHARD, rank=dist.get_rank(), world=dist.get_world_size(),
-            key=_inflight.next_key(uri), store=_inflight.job_store(), metadata={}, remove_stale_files=remove,
-        )
-    if dist.get_rank() == 0:
-        return stagesafe.save_state_dict(values, uri, max_shard_size=_SHARD, remove_stale_files=remove)
-    return None
+        channel = JobChannel.of_job(f"profile-write/{next(_writes)}", timeout=600)
+        done = write_share(values, uri, None, max_shard_size=_SHARD, channel=channel,
+                           writers=dist.get_world_size(), metadata={})
+    elif dist.get_rank() == 0:
+        fs, root = resolve(uri)
+        plan = plan_handoff(values, max_shard_size=_SHARD, taken=live_files(fs, root))
+        done = commit_handoff(fs, root, plan, write_shards(fs, root, plan, list(plan.shards)), metadata={})
+    if done is not None and remove:
+        remove_replaced(*resolve(uri), done)
+    return done
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -106,7 +114,7 @@ def main() -> None:
             seconds = timed(go)
             if replacing == "after the commit" and committed[0] is not None:
                 start = time.perf_counter()
-                remove_stale(uri, committed[0])
+                remove_replaced(*resolve(uri), committed[0])
                 removals.append(time.perf_counter() - start)
             if host is not None:
                 host.unlock()

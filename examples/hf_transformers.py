@@ -105,7 +105,7 @@ def main() -> None:
     hf_dir = os.path.join(args.out, "hf_model")
     weights = stagesafe.load_state_dict(handoff_uri)  # every shard checked against its sha256 first
     hf_weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
-    stagesafe.save_state_dict(hf_weights, hf_dir, max_shard_size="20KB", metadata={"source": handoff_uri})
+    stagesafe.save_state_dict(hf_weights, hf_dir, max_shard_size="20KB", overwrite=True, metadata={"source": handoff_uri})
     config.save_pretrained(hf_dir)
     standalone = LlamaForCausalLM.from_pretrained(hf_dir).eval()
 

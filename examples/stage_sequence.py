@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import tempfile
+import warnings
 
 import lightning.pytorch as pl
 import torch
@@ -56,6 +57,11 @@ def data(n: int = 256) -> DataLoader:
 
 
 def main() -> None:
+    # This demo's own output only: torch.distributed's deprecation notices about the collectives DeepSpeed calls
+    # in every training step, and Lightning's about its own internals, say nothing about this script.
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
+    warnings.filterwarnings("ignore", message=".*DistributedSampler.*")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--handoff-uri", default=os.path.join(tempfile.gettempdir(), "stagesafe-demo", "handoff"))
     parser.add_argument("--precision", default="bf16-mixed")
@@ -74,7 +80,7 @@ def main() -> None:
     rows = []
     for stage in ("validate", "fit", "test", "predict"):
         if stage == "fit":
-            trainer.fit(model, train_dataloaders=data())
+            trainer.fit(model, train_dataloaders=data(), val_dataloaders=data(64))
         elif stage == "predict":
             trainer.predict(model, data())
         else:
@@ -83,13 +89,15 @@ def main() -> None:
         weight = model.net[1].weight
         rows.append((stage, report, weight.numel(), str(weight.dtype)))
 
+    strategy.wait_for_handoff()  # every rank: the last handoff is committed before anyone reads it
     if trainer.global_rank != 0:
         return
     print(f"\nstagesafe demo: ZeRO-3, {args.devices} x {args.accelerator}, {args.precision}; handoff at {args.handoff_uri}\n")
     print(f"{'stage':<9} {'enter s':>8} {'leave s':>8} {'handoff':>10} {'written':>8}  clean  weight after")
     for stage, report, numel, dtype in rows:
         clean = "yes" if report.clean else "NO: " + "; ".join(report.stale_problems)
-        print(f"{stage:<9} {report.enter_seconds:8.3f} {report.seconds:8.3f} {report.handoff_bytes / 1e6:8.2f}MB "
+        size = f"{report.handoff_bytes / 1e3:.1f} kB" if report.handoff_bytes < 1e6 else f"{report.handoff_bytes / 1e6:.1f} MB"
+        print(f"{stage:<9} {report.enter_seconds:8.3f} {report.seconds:8.3f} {size if report.wrote else '-':>10} "
               f"{'yes' if report.wrote else 'no':>8}  {clean:<5}  {numel} x {dtype}")
     handoff = stagesafe.load_state_dict(args.handoff_uri)
     same = all(torch.equal(handoff[k], v) for k, v in model.state_dict().items())

@@ -2,6 +2,7 @@
 # One entry point for a fresh machine: sets up .venv (idempotent), then runs the demo or the tests.
 #   scripts/dev.sh demo    # validate -> fit -> test -> predict on one module, CPU, 2 processes
 #   scripts/dev.sh test    # the whole test suite (what CI runs)
+#   scripts/dev.sh test-fast   # the edit loop: the tests that start no Trainer or DeepSpeed job
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -26,6 +27,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 case "${1:-}" in
     demo) setup; exec "$VENV/bin/python" examples/stage_sequence.py "${@:2}" ;;
     test) setup; exec "$VENV/bin/python" -m pytest -q "${@:2}" ;;
+    test-fast) setup; exec "$VENV/bin/python" -m pytest -q -m "not slow" "${@:2}" ;;
     setup) setup ;;
-    *) echo "usage: scripts/dev.sh {demo|test|setup} [args...]" >&2; exit 2 ;;
+    *) echo "usage: scripts/dev.sh {demo|test|test-fast|setup} [args...]" >&2; exit 2 ;;
 esac

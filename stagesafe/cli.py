@@ -17,6 +17,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
+from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE
+
 __all__ = ["main", "run"]
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -123,9 +125,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating tensors (default: as saved, fp32 masters)"
     )
-    p.add_argument("--max-shard-size", default="5GB", help="largest shard, e.g. 5GB, 500MB, 2GiB (default: 5GB)")
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help=f"largest shard, e.g. 5GB, 500MB, 2GiB (default: {DEFAULT_MAX_SHARD_SIZE})")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that were not trained")
-    p.add_argument("--overwrite", action="store_true", help="replace what DST holds (atomically, for a handoff)")
+    p.add_argument("--overwrite", action="store_true", help="replace a handoff already at DST (atomically)")
     p.add_argument(
         "--workers", type=_workers, default=1, metavar="N", help="shards built and written at once (default 1)"
     )

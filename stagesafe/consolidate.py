@@ -20,7 +20,7 @@ import torch
 from stagesafe.handoff import store
 from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
-from stagesafe.handoff.plan import INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
+from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 
@@ -48,7 +48,7 @@ def consolidate(
     *,
     tag: str | None = None,
     dtype: str | torch.dtype | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     exclude_frozen: bool = False,
     overwrite: bool = False,
     storage_options: dict[str, Any] | None = None,
@@ -196,24 +196,13 @@ def _cast(tensor: torch.Tensor, out: torch.dtype | None) -> torch.Tensor:
 
 
 def _check_destination(fs: Any, root: str, overwrite: bool) -> None:
-    """Refuse a destination that is a file, or that holds anything at all unless ``overwrite``."""
-    url = url_of(fs, root)
+    """Refuse a destination that is a file, or that holds a handoff unless ``overwrite`` (as
+    :func:`~stagesafe.handoff.store.save_state_dict` does)."""
     if fs.isfile(root):
-        raise HandoffExistsError(f"destination {url!r} is a file; give a folder (it is created if missing)")
-    if overwrite:
-        return
-    try:
+        raise HandoffExistsError(f"destination {url_of(fs, root)!r} is a file; give a folder (it is created if missing)")
+    if not overwrite:
         fs.invalidate_cache(root)
-        present = fs.ls(root, detail=False) if fs.isdir(root) else []
-    except FileNotFoundError:
-        present = []
-    if present:
-        has_handoff = any(str(p).rstrip("/").endswith("/" + MANIFEST_NAME) for p in present)
-        what = "a handoff" if has_handoff else f"{len(present)} entr{'y' if len(present) == 1 else 'ies'}"
-        raise HandoffExistsError(
-            f"destination {url!r} already exists and holds {what}; pass --overwrite (overwrite=True) to replace "
-            "the handoff there, or choose a new folder"
-        )
+        store.refuse_existing_handoff(fs, root)
 
 
 class _LazyStateDict(Mapping):

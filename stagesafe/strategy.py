@@ -139,6 +139,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._calls += 1
         stage = trainer.state.fn.value
         writer.check(f"entering {stage}")  # a failed background write is raised here, on every rank
+        _warn_if_fit_has_nothing_left(trainer)
         meta = self.between_stages == "meta"
         boundary = StageBoundary(
             module,
@@ -500,6 +501,23 @@ class _StageReturned(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, StageSafeDeepSpeedStrategy):
             strategy._stage_returned()
+
+
+def _warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
+    """Lightning's ``fit`` on a Trainer that already reached its ``max_epochs``/``max_steps`` returns at once
+    without training; users who reuse one Trainer across stages meet that silently."""
+    loop = trainer.fit_loop
+    if trainer.state.fn != TrainerFn.FITTING or trainer.ckpt_path is not None:
+        return
+    steps = loop.max_steps not in (None, -1) and loop.epoch_loop.global_step >= loop.max_steps
+    epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
+    if steps or epochs:
+        limit = f"max_steps={loop.max_steps}" if steps else f"max_epochs={loop.max_epochs}"
+        rank_zero_warn(
+            f"this Trainer has already trained to {limit}: fit will return without a step. To train on, raise "
+            f"trainer.fit_loop.{'epoch_loop.max_steps' if steps else 'max_epochs'} before calling fit, or use a new "
+            "Trainer (the module keeps its weights across Trainers)"
+        )
 
 
 def _checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Optional[str]:

@@ -34,7 +34,6 @@ import os
 import shutil
 import struct
 import tempfile
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 

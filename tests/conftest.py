@@ -8,6 +8,16 @@ import subprocess
 
 import pytest
 
+# Fixtures that run Trainer or DeepSpeed jobs (seconds to minutes): the tests that use them are left out of the
+# fast tier (scripts/dev.sh test-fast).
+_JOB_FIXTURES = {"ckpts", "ranks", "one_rank_fails", "stagesafe_run", "stock_run", "run_fault"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _JOB_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def s3_server():

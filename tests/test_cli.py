@@ -136,7 +136,7 @@ def test_consolidate_tag_and_overwrite(ckpts, tmp_path, capsys):
     assert run(capsys, "consolidate", ckpts["s3"]["path"], str(dst), "--tag", "global_step2", "-q") == (0, "", "")
     code, _, err = run(capsys, "consolidate", ckpts["s2"]["path"], str(dst))
     assert code == 2
-    assert_one_error_line(err, str(dst), "already exists", "--overwrite")
+    assert_one_error_line(err, str(dst), "already holds a handoff", "--overwrite")
     code, _, err = run(capsys, "consolidate", ckpts["s2"]["path"], str(dst), "--overwrite", "-q")
     assert code == 0, err
     manifest = json.loads((dst / "stagesafe.json").read_text())

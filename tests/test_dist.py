@@ -11,6 +11,7 @@ from _launch import run_ranks
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "dist_outcomes.py")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_errors_reach_every_rank(tmp_path):
     run_ranks(SCRIPT, [str(tmp_path / "out")], world_size=2, timeout=90)

@@ -57,6 +57,7 @@ def test_every_page_in_the_nav_exists():
     assert not missing, f"pages in mkdocs.yml's nav that docs/ lacks: {missing}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_site_builds_strict(tmp_path):
     site = tmp_path / "site"
@@ -102,6 +103,7 @@ def test_cli_reference_covers_every_subcommand_option_and_example(generator):
             assert line.rstrip() in page
 
 
+@pytest.mark.slow
 def test_cli_reference_script_writes_the_page(tmp_path, generator):
     out = tmp_path / "cli-reference.md"
     subprocess.run([sys.executable, os.path.join(DOCS, "gen_cli_reference.py"), str(out)], check=True, cwd=ROOT)

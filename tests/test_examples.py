@@ -9,6 +9,8 @@ from _launch import run_script
 
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples")
 
+pytestmark = pytest.mark.slow
+
 
 @pytest.mark.timeout(300)
 def test_stage_sequence_demo(tmp_path):
@@ -19,8 +21,13 @@ def test_stage_sequence_demo(tmp_path):
     for line in result.stdout.splitlines():
         cells = line.split()
         if cells and cells[0] in ("validate", "fit", "test", "predict"):
-            rows[cells[0]] = cells  # stage, enter s, leave s, handoff MB, written, clean, numel, x, dtype
+            cells = [c for c in cells if c not in ("kB", "MB")]
+            rows[cells[0]] = cells  # stage, enter s, leave s, handoff size or -, written, clean, numel, x, dtype
     assert list(rows) == ["validate", "fit", "test", "predict"]
+    quickstart = open(os.path.join(os.path.dirname(EXAMPLES), "docs", "quickstart.md")).read()
+    header = next(line for line in result.stdout.splitlines() if line.startswith("stage "))
+    assert header in quickstart  # the quickstart shows this table
+    assert "Warning" not in result.stderr and "built successfully" not in result.stdout  # only what a user needs
     for stage, cells in rows.items():
         # the first stage writes the module's weights, fit the trained ones; test and predict change nothing
         assert cells[4] == ("yes" if stage in ("validate", "fit") else "no")

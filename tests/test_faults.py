@@ -11,14 +11,13 @@ import os
 
 import pytest
 
-import stagesafe
 from _launch import LaunchError, run_ranks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "faults.py")
 PAGE = 4096
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
 def _run(case: str, root, handoff: str | None = None, *, expect_ok: bool = True):

@@ -10,7 +10,7 @@ import json
 import pytest
 from _hostile import run_python
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 # Examples per target: a few seconds each on one core; the same examples on every run (derandomized).
 EXAMPLES = {"header": 300, "handoff": 40, "rank_files": 60}

@@ -22,7 +22,7 @@ SCRIPT = os.path.join(HERE, "scripts", "end_after_fit.py")
 sys.path.insert(0, os.path.join(HERE, "scripts"))
 from toy import ToyModule, state_digest, state_digest_of  # noqa: E402
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
 def _job(spec: dict, *, timeout: float = 240.0):
@@ -81,6 +81,13 @@ def test_ranks_that_see_different_folders_get_the_handoff_in_rank_zeros(tmp_path
     assert state_digest_of(handoff) == trained
     assert not os.path.exists(tmp_path / "rank1" / "stagesafe_handoff" / "stagesafe.json")
     print(f"per-rank folders: fit and test on 2 ranks in {seconds:.1f} s")
+
+
+def test_fit_again_on_a_trainer_that_reached_max_steps_says_it_will_not_train(tmp_path):
+    rank0, _ = _job({"mode": "fit_again", "root": str(tmp_path), "handoff_uri": str(tmp_path / "h"), "max_steps": 2})
+    assert _printed(rank0, "AGAIN") == _printed(rank0, "DIGEST")  # Lightning's fit returned without a step
+    warned = [line for line in rank0.stdout.splitlines() if line.startswith("WARNING ")]
+    assert any("already trained to max_steps=2" in line and "epoch_loop.max_steps" in line for line in warned), warned
 
 
 _STALLED = """

@@ -121,6 +121,7 @@ def test_resume_from_is_a_cli_argument(cli):
     assert parsed.trainer.strategy.resume_from == "s3://bucket/run1/handoff"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_name_on_the_command_line_runs_fit_then_test(tmp_path):
     """``--trainer.strategy=stagesafe_deepspeed_stage_3`` end to end: fit, then test on the same module."""

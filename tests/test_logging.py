@@ -49,6 +49,7 @@ def test_library_code_never_prints():
     assert not offenders, f"print/sys.stdout.write in library code (use logging.getLogger(__name__)): {offenders}"
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_one_log_line_per_boundary_on_rank_zero_only(tmp_path):
     run_script(os.path.join(HERE, "scripts", "boundary_logging.py"), [str(tmp_path)], timeout=200, cwd=str(tmp_path))

@@ -14,6 +14,7 @@ def _python(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("order", ["import stagesafe, lightning.pytorch", "import lightning.pytorch, stagesafe"])
 def test_strategy_names_registered_whichever_is_imported_first(order):
     out = _python(f"{order}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
@@ -21,11 +22,13 @@ def test_strategy_names_registered_whichever_is_imported_first(order):
     assert out == str(sorted(f"stagesafe_deepspeed_stage_{s}" for s in ("1", "2", "2_offload", "3", "3_offload")))
 
 
+@pytest.mark.slow
 def test_the_command_line_does_not_import_lightning_or_deepspeed():
     out = _python("import sys, stagesafe, stagesafe.cli\nprint('lightning.pytorch' in sys.modules, 'deepspeed' in sys.modules)")
     assert out == "False False"
 
 
+@pytest.mark.slow
 def test_public_functions_stay_functions_after_their_modules_load():
     out = _python("import stagesafe, stagesafe.strategy, stagesafe.consolidate, stagesafe.restore\n"
                   "print(callable(stagesafe.restore), callable(stagesafe.consolidate), stagesafe.StageSafeDeepSpeedStrategy.__name__)")

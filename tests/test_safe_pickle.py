@@ -83,6 +83,7 @@ def test_lightning_attribute_dict_loads_as_dict(tmp_path):
     assert type(hp) is dict and hp == {"lr": 0.1, "layers": [1, 2]}
 
 
+@pytest.mark.slow
 def test_loading_imports_nothing_it_names(tmp_path):
     """The stand-ins are used by name: loading a DeepSpeed file must not import deepspeed (or run its code)."""
     pytest.importorskip("deepspeed")

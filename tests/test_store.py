@@ -9,7 +9,6 @@ import json
 import os
 import uuid
 from collections.abc import Mapping
-import os
 from datetime import datetime, timedelta, timezone
 
 import fsspec
@@ -32,7 +31,6 @@ from stagesafe.handoff.store import (
     Pieces,
     commit,
     commit_handoff,
-    live_files,
     load_state_dict,
     plan_handoff,
     read_manifest,
@@ -84,6 +82,7 @@ def read(url: str, name: str) -> bytes:
 
 def write(url: str, name: str, data: bytes) -> None:
     fs, root = resolve(url)
+    fs.makedirs(root, exist_ok=True)
     fs.pipe_file(f"{root}/{name}", data)
 
 
@@ -246,7 +245,7 @@ def test_views_same_exactly_are_aliases_overlapping_ones_copies(url):
 def test_second_save_replaces_the_first_and_leaves_no_stale_file(url):
     first = set(save_state_dict(model_dict(1, n=6), url, max_shard_size=800)["shards"])  # 3 shards
     sd2 = model_dict(2, n=2)
-    second = set(save_state_dict(sd2, url, max_shard_size=800)["shards"])  # 1 shard
+    second = set(save_state_dict(sd2, url, max_shard_size=800, overwrite=True)["shards"])  # 1 shard
     assert first.isdisjoint(second)  # every commit writes names of its own
     assert files(url) == second | {INDEX, MANIFEST}
     assert_bitwise_equal(load_state_dict(url), sd2)
@@ -330,7 +329,7 @@ def test_a_reader_overtaken_by_a_new_commit_reads_the_new_handoff(url, monkeypat
     save_state_dict(model_dict(1, n=4), url, max_shard_size=800)
     stale = read_manifest(url)
     sd2 = model_dict(2, n=4)
-    save_state_dict(sd2, url, max_shard_size=800)  # deletes the shards the stale manifest names
+    save_state_dict(sd2, url, max_shard_size=800, overwrite=True)  # deletes the shards the stale manifest names
     real, calls = store._read_manifest, []
 
     def first_stale(fs, root):  # the reader read the manifest just before the writer committed
@@ -360,7 +359,7 @@ def test_a_save_failing_midway_keeps_the_old_handoff_and_removes_its_own_shards(
     save_state_dict(sd1, url, max_shard_size=800)
     old_files = files(url)
     with pytest.raises(RuntimeError, match="device lost"):
-        save_state_dict(_FailsOn(model_dict(2, n=4), bad="layer3.weight"), url, max_shard_size=800)
+        save_state_dict(_FailsOn(model_dict(2, n=4), bad="layer3.weight"), url, max_shard_size=800, overwrite=True)
     assert files(url) == old_files
     assert_bitwise_equal(load_state_dict(url), sd1)
 
@@ -375,12 +374,12 @@ def test_leftovers_of_killed_writers_are_cleaned_once_old_and_young_ones_are_lef
     ]
     for name in [*leftovers, "notes.txt", "notes.txt.tmp-deadbeef"]:
         write(url, name, b"junk")
-    save_state_dict(model_dict(2), url)
+    save_state_dict(model_dict(2), url, overwrite=True)
     # young: perhaps another writer's commit in progress, which must not lose its files
     assert set(leftovers) <= files(url)
     for name in leftovers:
         age(url, name, ORPHAN_AGE + 60)
-    save_state_dict(model_dict(3), url)
+    save_state_dict(model_dict(3), url, overwrite=True)
     assert files(url) == set(read_manifest(url)["shards"]) | {INDEX, MANIFEST, "notes.txt", "notes.txt.tmp-deadbeef"}
     assert_bitwise_equal(load_state_dict(url), model_dict(3))
     write(url, "model-00000001-00001-of-00001.safetensors", b"junk")
@@ -391,7 +390,7 @@ def test_leftovers_of_killed_writers_are_cleaned_once_old_and_young_ones_are_lef
 
 def _three_shards(url):
     sd = model_dict(5, n=6)
-    manifest = save_state_dict(sd, url, max_shard_size=800)
+    manifest = save_state_dict(sd, url, max_shard_size=800, overwrite=True)
     return sd, list(manifest["shards"])
 
 
@@ -463,6 +462,19 @@ def test_overwrite_false_refuses_an_existing_handoff(url):
         save_state_dict(model_dict(2), url, overwrite=False)
     assert isinstance(info.value, FileExistsError)
     assert_bitwise_equal(load_state_dict(url), sd)
+
+
+def test_the_default_refuses_a_handoff_or_its_files_and_leaves_other_files_alone(url):
+    write(url, "config.json", b"{}")
+    save_state_dict(model_dict(1), url)  # the default is overwrite=False: a config.json is no handoff
+    assert read(url, "config.json") == b"{}"
+    with pytest.raises(HandoffExistsError, match="already holds a handoff"):
+        save_state_dict(model_dict(2), url)
+    stray = f"{url}/stray"
+    write(stray, "model-00001-of-00002.safetensors", b"junk")  # a handoff's shard without its manifest
+    with pytest.raises(HandoffExistsError, match="model files"):
+        save_state_dict(model_dict(2), stray)
+    assert_bitwise_equal(load_state_dict(url), model_dict(1))
 
 
 def test_missing_handoff_says_where_and_asks_about_the_folder(url):
@@ -696,6 +708,7 @@ def test_an_index_naming_a_file_outside_the_folder_fails_verify_and_opens_nothin
     assert not outside(opened, str(h))
 
 
+@pytest.mark.slow
 def test_a_shard_far_larger_than_its_manifest_says_is_refused_before_it_is_read(tmp_path):
     url = str(tmp_path / "h")
     manifest = save_state_dict({"w": torch.zeros(4)}, url)
@@ -781,6 +794,7 @@ def _read_in_a_process(url: str) -> dict:
     return json.loads(line[len("RESULT ") :])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["shard", "link_to_a_fifo", "manifest", "index", "index_entry"])
 def test_a_fifo_in_a_handoff_is_refused_by_every_reader_without_blocking(tmp_path, what):
     """Opening a FIFO for reading blocks until a writer comes. Each reader runs in a process of its own with a

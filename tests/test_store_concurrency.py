@@ -17,7 +17,7 @@ import torch
 import stagesafe
 from stagesafe.errors import HandoffCorruptError
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ROUNDS = 20
 
 
@@ -31,7 +31,7 @@ def _writer(uri: str, seed: int, barrier, rounds: int, errors) -> None:
     for r in range(rounds):
         barrier.wait(60)
         try:
-            stagesafe.save_state_dict(_state(seed * 1000 + r), uri, max_shard_size="100KB")
+            stagesafe.save_state_dict(_state(seed * 1000 + r), uri, max_shard_size="100KB", overwrite=True)
         except Exception as exc:  # noqa: BLE001 - reported to the test
             errors.put(f"writer {seed} round {r}: {type(exc).__name__}: {exc}")
         barrier.wait(60)  # the test looks at the folder between rounds
@@ -72,7 +72,7 @@ def test_readers_never_take_a_handoff_being_replaced_for_a_damaged_one(tmp_path)
     def replace() -> None:
         n = 1
         while not stop.is_set():
-            stagesafe.save_state_dict(_state(n % 2), uri, max_shard_size="100KB")
+            stagesafe.save_state_dict(_state(n % 2), uri, max_shard_size="100KB", overwrite=True)
             commits.append(n)
             n += 1
 

@@ -26,17 +26,17 @@ sys.path.insert(0, os.path.join(HERE, "scripts"))
 from toy import HIDDEN, ToyModule, state_digest  # noqa: E402
 from trainer_sequences import STAGES  # noqa: E402
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.timeout(600), pytest.mark.slow]
 
 
-def _run(tmp_path_factory, strategy: str, extra_cases: list | None = None) -> dict:
+def _run(tmp_path_factory, strategy: str, extra_cases: list | None = None, built_in=("init", "configure_model")) -> dict:
     root = tmp_path_factory.mktemp(f"seq-{strategy}")
     spec = {
         "accelerator": "cpu",
         "devices": 2,
         "root": str(root),
         "case_groups": [
-            {"kind": "matrix", "strategy": strategy, "precision": "bf16-mixed"},
+            {"kind": "matrix", "strategy": strategy, "precision": "bf16-mixed", "built_in": list(built_in)},
             {"kind": "scenario", "strategy": strategy, "precision": "bf16-mixed"},
         ],
         "cases": extra_cases or [],
@@ -56,7 +56,7 @@ def stagesafe_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def stock_run(tmp_path_factory):
     lightning_cpu = {"name": "lightning:cpu", "strategy": "lightning", "stages": ["validate"]}
-    return _run(tmp_path_factory, "stock", [lightning_cpu])
+    return _run(tmp_path_factory, "stock", [lightning_cpu], built_in=("init",))  # the control asserts these
 
 
 BUFFER_BYTES = HIDDEN * 4  # ToyModule's only tensor that is not a trainable parameter: a buffer of HIDDEN fp32

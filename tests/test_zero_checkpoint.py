@@ -62,6 +62,7 @@ def assert_bit_equal(ours: dict, ref: dict) -> None:
 # -- the values ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w3s2", "w3s3"])
 def test_three_ranks_equal_deepspeed(tmp_path_factory, name):
     """World size 3: other paddings (ZeRO-2 aligns groups to 2 * 3 elements, ZeRO-3 splits params in thirds)."""
@@ -422,6 +423,7 @@ def test_a_crafted_checkpoint_in_deepspeeds_layout_reads_as_written(tmp_path):
         assert_bit_equal(values, {**_params(), "n": torch.arange(3)})
 
 
+@pytest.mark.slow
 def test_a_stride_0_view_is_refused_instead_of_read_past_its_storage(tmp_path):
     """A flat partition that is a stride-0 view of 4 bytes with 2**24 elements: the reader once gave back the
     pages of numel x itemsize bytes from its 4-byte storage, zeroing memory it did not own (SIGSEGV)."""
@@ -441,6 +443,7 @@ def test_a_stride_0_view_is_refused_instead_of_read_past_its_storage(tmp_path):
     assert not dst.exists()
 
 
+@pytest.mark.slow
 def test_a_rank_file_truncated_while_open_is_an_error_not_sigbus(tmp_path):
     """DeepSpeed saving the same tag again truncates the rank files in place. A mapped reader touching a page
     past the new end dies of SIGBUS; this reader reads with pread and says what happened."""
@@ -466,6 +469,7 @@ def test_a_rank_file_truncated_while_open_is_an_error_not_sigbus(tmp_path):
     assert all("shrank while being read" in line and "saved again" in line for line in lines), result.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "count", [10**12, "2", [2, "x"], 0, True, -1, None, 2.0], ids=lambda c: f"partition_count={c!r}"
 )
@@ -591,6 +595,7 @@ def test_a_rank_file_that_links_outside_its_folder_is_refused_unopened(tmp_path)
         RankFile(os.path.join(src, "global_step1"), name, display=name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what", ["rank_file", "latest"])
 def test_a_fifo_in_a_checkpoint_never_blocks_the_reader(tmp_path, what):
     src = _crafted(tmp_path)

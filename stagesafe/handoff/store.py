@@ -43,6 +43,7 @@ from stagesafe.handoff.codec import encode_header as _safetensors_header
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
 from stagesafe.handoff.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     MANIFEST_NAME,
     SAFETENSORS_DTYPES,
@@ -83,6 +84,7 @@ __all__ = [
     "commit_handoff",
     "delete_shards",
     "live_files",
+    "refuse_existing_handoff",
     "load_state_dict",
     "plan_handoff",
     "plan_specs",
@@ -155,7 +157,7 @@ class HandoffPlan:
 def plan_handoff(
     state_dict: Mapping[str, torch.Tensor],
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     taken: Iterable[str] = (),
     tag: str | None = None,
 ) -> HandoffPlan:
@@ -404,20 +406,34 @@ def live_files(fs: fsspec.AbstractFileSystem, root: str, *, retry: RetryPolicy |
     return _committed_shards(fs, root, _check_retry(retry))
 
 
+def refuse_existing_handoff(fs: fsspec.AbstractFileSystem, root: str, *, retry: RetryPolicy | None = None) -> None:
+    """What ``overwrite=False`` means everywhere: raise :class:`HandoffExistsError` if ``root`` holds a handoff
+    or any of a handoff's files (shards, index); other files are no handoff's and are left alone."""
+    names = _transfer(lambda: list_files(fs, root), what=f"list {url_of(fs, root)!r}", retry=_check_retry(retry))
+    present = [n for n in names if n in (MANIFEST_NAME, INDEX_NAME) or is_shard_name(n)]
+    if present:
+        what = "a handoff" if MANIFEST_NAME in present else f"model files {sorted(present)[:3]}"
+        raise HandoffExistsError(
+            f"{url_of(fs, root)!r} already holds {what}; pass overwrite=True (CLI: --overwrite) to replace it "
+            "atomically, or choose another folder"
+        )
+
+
 def save_state_dict(
     state_dict: Mapping[str, torch.Tensor],
     uri: str,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
-    overwrite: bool = True,
+    overwrite: bool = False,
     workers: int | None = None,
     retry: RetryPolicy | None = None,
 ) -> dict[str, Any]:
     """Save ``state_dict`` as a handoff at ``uri``, replacing the one there atomically; return the manifest.
 
-    ``metadata`` (JSON values) is stored in the manifest. With ``overwrite=False`` an existing handoff is an error.
+    ``metadata`` (JSON values) is stored in the manifest. A handoff already at ``uri`` is an error unless
+    ``overwrite=True``, which replaces it atomically (:func:`refuse_existing_handoff` says what counts).
     ``workers`` shards are built and uploaded at a time (default: 4 on a remote filesystem, 1 on a local disk),
     so about that many shards' bytes are in memory at once. Every storage operation is tried again on transient
     errors as ``retry`` says (default :class:`RetryPolicy`); if one still fails, ``StorageTransferError`` names
@@ -430,14 +446,7 @@ def save_state_dict(
     workers = _check_workers(workers, fs)
     retry = _check_retry(retry)
     if not overwrite:
-        names = _transfer(lambda: list_files(fs, root), what=f"list {url_of(fs, root)!r}", retry=retry)
-        present = [n for n in names if n in (MANIFEST_NAME, INDEX_NAME) or is_shard_name(n)]
-        if present:
-            what = "a handoff" if MANIFEST_NAME in present else f"model files {sorted(present)[:3]}"
-            raise HandoffExistsError(
-                f"{url_of(fs, root)!r} already holds {what}; pass overwrite=True (CLI: --overwrite) to replace it, "
-                "or choose another folder"
-            )
+        refuse_existing_handoff(fs, root, retry=retry)
     plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
     records = _write_shards(fs, root, plan, workers=workers, retry=retry)
     return commit(fs, root, plan, records, metadata=metadata, retry=retry)
@@ -449,7 +458,7 @@ def save_streamed(
     tensors: Mapping[str, torch.Tensor],
     uri: str,
     *,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
     metadata: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
 ) -> dict[str, Any]:

@@ -340,7 +340,7 @@ class StageBoundary:
             if dist.rank() != 0:
                 return None
             try:
-                save_state_dict(values, self.target.uri, max_shard_size=self.target.max_shard_size,
+                save_state_dict(values, self.target.uri, max_shard_size=self.target.max_shard_size, overwrite=True,
                                 metadata=self._metadata(history), storage_options=self.target.storage_options)
             except BaseException as exc:  # noqa: BLE001 - the stage's own failure is raised; this one is logged
                 log.error("stagesafe: could not write the handoff %s after the stage failed: %s", self.target.uri, exc)

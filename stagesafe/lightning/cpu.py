@@ -11,12 +11,17 @@ compares against.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from typing_extensions import override
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_requested"]
 
@@ -59,3 +64,19 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
         assert self.parallel_devices is not None
         self.parallel_devices = [torch.device("cpu", index) for index in range(len(self.parallel_devices))]
         DDPStrategy.setup_environment(self)  # skip DeepSpeedStrategy's CUDA-only check
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        """On the CPU, DeepSpeed's comm backend prints "... built successfully" on every rank once it has
+        loaded its shared-memory op; that line is left out, anything else it prints is logged."""
+        if not isinstance(self.accelerator, CPUAccelerator):
+            super()._init_deepspeed_distributed()
+            return
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed):
+                super()._init_deepspeed_distributed()
+        finally:
+            for line in printed.getvalue().splitlines():
+                if line.strip() and "built successfully" not in line:
+                    log.info("deepspeed: %s", line)

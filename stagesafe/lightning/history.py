@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE
+
 if TYPE_CHECKING:
     from stagesafe.lightning.writer import HandoffWriter
 
@@ -31,7 +33,7 @@ class HandoffTarget:
 
     uri: str
     storage_options: Mapping[str, Any] | None = None
-    max_shard_size: int | str = "1GB"
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 
 
 @dataclass

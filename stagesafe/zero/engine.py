@@ -225,10 +225,11 @@ class GatheredValues(Mapping):
         if has_fp32_master(param):
             import deepspeed.utils
 
-            master = deepspeed.utils.safe_get_full_fp32_param(param).detach().reshape(_full_shape(param))
+            with _quiet_collectives():
+                master = deepspeed.utils.safe_get_full_fp32_param(param).detach().reshape(_full_shape(param))
             placed = self._place(name, master, None)
             return self._to_dtype(name, master.to("cpu")) if placed is None else placed
-        with _gathered([param]):
+        with _quiet_collectives(), _gathered([param]):
             return self._to_dtype(name, param.data.detach().to("cpu", copy=True))
 
     def _place(self, name: str, master: torch.Tensor, stream: Any) -> torch.Tensor | None:
@@ -256,11 +257,10 @@ class GatheredValues(Mapping):
         plans = _master_buckets([(n, self._params[n]) for n in names if n in self._params])
         if not plans:
             return
-        import torch.distributed as dist
 
         device = plans[0].flat.device
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_collectives():
             for bucket in plans:
                 self._gather_bucket(bucket, stream)
 
@@ -312,6 +312,17 @@ class GatheredValues(Mapping):
 
     def __len__(self) -> int:
         return len(self._params) + len(self._buffers)
+
+
+@contextlib.contextmanager
+def _quiet_collectives() -> Iterator[None]:
+    """torch.distributed warns that the collectives DeepSpeed and this file call are deprecated, once per call;
+    those warnings say nothing to the user about their own code, so they are left out here, and only here."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+        yield
 
 
 _BUCKET_NUMEL = 256 * 2**20  # fp32 elements of one rank's partitions gathered per collective (1 GiB)

@@ -6,6 +6,7 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   fit               fit, print the module's digest, end (the handoff write is still running).
   per_rank_folders  each rank its own default_root_dir; fit, then test; print digests.
   resume            a later job: resume_from, test; print the module's digest.
+  fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings.
 Rank 0 prints "DIGEST <sha256>" (and "TESTED <sha256>" after a test).
 """
 
@@ -50,6 +51,16 @@ def main() -> None:
     trainer.fit(module, train_dataloaders=dataloader())
     if rank == 0:
         print("DIGEST", state_digest(module), flush=True)
+    if mode == "fit_again":
+        import warnings
+
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            trainer.fit(module, train_dataloaders=dataloader())
+        if rank == 0:
+            print("AGAIN", state_digest(module), flush=True)
+            for warning in caught:
+                print("WARNING", str(warning.message).replace("\n", " "), flush=True)
     if mode == "per_rank_folders":
         trainer.test(module, dataloaders=dataloader(), verbose=False)
         if rank == 0:

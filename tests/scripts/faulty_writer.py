@@ -101,7 +101,7 @@ def main() -> None:
             limit = int(mode.removeprefix("fsize="))
             resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
         try:
-            save_state_dict(state, url, max_shard_size=SHARD, storage_options=options)
+            save_state_dict(state, url, max_shard_size=SHARD, storage_options=options, overwrite=True)
         except BaseException as exc:  # noqa: BLE001 - reported to the test
             error = {"type": type(exc).__name__, "mro": [c.__name__ for c in type(exc).__mro__], "message": str(exc)}
             print("ERROR " + json.dumps(error), flush=True)
@@ -110,7 +110,7 @@ def main() -> None:
         return
     else:
         raise SystemExit(f"unknown mode {mode!r}")
-    save_state_dict(state, url, max_shard_size=SHARD, storage_options=options)
+    save_state_dict(state, url, max_shard_size=SHARD, storage_options=options, overwrite=True)
     print("SAVED", flush=True)
 
 

@@ -93,13 +93,14 @@ class MasterProbe(Callback):
 STAGES = ("fit", "validate", "test", "predict")
 
 
-def matrix_cases(strategy: str, precision: str) -> list[dict]:
-    """Every ordered pair of stages, with one Trainer and with a new Trainer per call; and again for a module
-    whose layers are built in ``configure_model`` (under ``zero.Init``)."""
+def matrix_cases(strategy: str, precision: str, built_in: tuple = ("init", "configure_model")) -> list[dict]:
+    """Every ordered pair of stages, with one Trainer and with a new Trainer per call, for a module whose layers
+    are built in ``__init__`` and (``built_in``) for one whose layers are built in ``configure_model`` (under
+    ``zero.Init``)."""
     return [
         {"name": f"{strategy}:{a}>{b}:{mode}{':configured' if configured else ''}", "strategy": strategy,
          "stages": [a, b], "trainer": mode, "precision": precision, "in_configure_model": configured}
-        for configured in (False, True)
+        for configured in [where == "configure_model" for where in built_in]
         for mode in ("one", "per_call")
         for a in STAGES
         for b in STAGES
@@ -351,8 +352,12 @@ def main() -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     for group in spec.pop("case_groups", []):  # e.g. {"kind": "matrix", "strategy": "stock", "precision": ...}
-        builder = matrix_cases if group["kind"] == "matrix" else scenario_cases
-        spec["cases"] = spec.get("cases", []) + builder(group["strategy"], group["precision"])
+        if group["kind"] == "matrix":
+            built_in = tuple(group.get("built_in", ("init", "configure_model")))
+            cases = matrix_cases(group["strategy"], group["precision"], built_in)
+        else:
+            cases = scenario_cases(group["strategy"], group["precision"])
+        spec["cases"] = spec.get("cases", []) + cases
     results = {case["name"]: run_case(case, spec) for case in spec["cases"]}
     rank = dist.get_rank() if dist.is_initialized() else 0
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
