@@ -63,6 +63,28 @@ def assert_bit_equal(ours: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_checkpoints_equal_deepspeed_and_consolidate_without_torch(tmp_path_factory, tmp_path, stage):
+    """fp16 training (DynamicLossScaler in the optimizer state, fp16 frozen parameters and buffers): the reader
+    and the command give DeepSpeed's values bit for bit, and the command loads no torch for them."""
+    built = zero_checkpoints(
+        str(tmp_path_factory.getbasetemp() / "zero_fp16"),
+        ("h1:stage=1,dtype=fp16", "h2:stage=2,dtype=fp16", "h3:stage=3,dtype=fp16"),
+    )
+    path = built[f"h{stage}"]["path"]
+    ref = deepspeed_reference(path)
+    ours = load_zero_checkpoint(path)
+    assert set(ours) - set(ref) == (FROZEN if stage == 1 else set())  # stage 1: frozen ones kept (module doc)
+    assert ours["frozen.weight"].dtype == torch.float16 and ours["scale"].dtype == torch.float32
+    assert_bit_equal(ours, ref)
+    out = str(tmp_path / "out")
+    code = "import sys; from stagesafe.cli import main; rc = main(['consolidate', *sys.argv[1:], '-q']); print('torch' in sys.modules); sys.exit(rc)"
+    result = run_python(code, path, out)
+    assert result.returncode == 0 and result.stdout.split() == ["False"], result.stderr[-2000:]
+    assert_bit_equal(load_state_dict(out), ref)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w3s2", "w3s3"])
 def test_three_ranks_equal_deepspeed(tmp_path_factory, name):
     """World size 3: other paddings (ZeRO-2 aligns groups to 2 * 3 elements, ZeRO-3 splits params in thirds)."""
