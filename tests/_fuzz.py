@@ -42,6 +42,7 @@ import os
 import shutil
 import struct
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 

@@ -140,6 +140,7 @@ def test_lightning_attribute_dict_loads_as_dict():
     assert type(hp) is dict and hp == {"lr": 0.1, "layers": [1, 2]}
 
 
+@pytest.mark.slow
 def test_reading_imports_nothing_it_names(tmp_path):
     """The stand-ins are used by name: reading a DeepSpeed file imports neither deepspeed nor torch, and a
     refused global's module is not imported either (``this`` prints the Zen of Python when it is)."""

@@ -683,6 +683,7 @@ PAYLOADS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(PAYLOADS))
 def test_a_rank_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tmp_path, name):
     """The reader never calls what a pickle names: the file the payload creates when Python's pickle loads it is
