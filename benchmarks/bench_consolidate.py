@@ -3,7 +3,10 @@
 Both convert the same ZeRO-3 checkpoint (at least 1 GB on disk, built here with real DeepSpeed on CPU unless
 ``--checkpoint`` names one) to safetensors, each as its own subprocess, alternating, in one session. Measured:
 wall time of the command, wall time until the output is on disk (the command, then ``sync``), and peak RSS
-(``ru_maxrss`` of that one child, from ``os.wait4``). The outputs are compared bit for bit at the end.
+(``ru_maxrss`` of that one child, from ``os.wait4``); medians over the rounds. The cost of each tool's imports
+is shown apart, measured the same way in the same rounds: ``zero_to_fp32.py --help`` (torch and DeepSpeed,
+then exit) and ``python -c "import stagesafe.cli, stagesafe.consolidate"`` (what the command imports before it
+reads a byte). The outputs are compared bit for bit at the end.
 
     python benchmarks/bench_consolidate.py                       # build a ~1.1 GB checkpoint, 3 rounds
     python benchmarks/bench_consolidate.py --checkpoint CKPT --repeat 5
@@ -14,6 +17,7 @@ Needs deepspeed and huggingface_hub (zero_to_fp32 shards with it); prints a Mark
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import platform
 import shutil
@@ -54,7 +58,11 @@ def build_checkpoint(workdir: str, hidden: int, layers: int) -> str:
 
 
 def measure(cmd: list[str], env: dict[str, str], cwd: str) -> dict[str, float]:
-    """Run ``cmd``; its wall time, wall time including a ``sync`` of what it wrote, and its own peak RSS."""
+    """Run ``cmd``; its wall time, wall time including a ``sync`` of what it wrote, and its own peak RSS.
+
+    Linux's ``ru_maxrss`` of a child counts the memory of this process at the fork (subprocess forks with
+    vfork, and exec keeps the larger of the two high-water marks), so this process imports neither torch nor
+    DeepSpeed before the rounds are over: its own RSS, about 20 MB, is the floor of every figure."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
@@ -114,12 +122,14 @@ def main() -> int:
             )
         pythonpath = os.pathsep.join(p for p in (args.stagesafe_path, os.environ.get("PYTHONPATH", "")) if p)
         env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": pythonpath}
-        import deepspeed.utils.zero_to_fp32 as z2f_module
-
         # The script DeepSpeed copies next to every checkpoint; run from a folder of its own, since its package
-        # folder holds a types.py that would shadow the standard library's.
+        # folder holds a types.py that would shadow the standard library's. Found without importing deepspeed:
+        # this process stays small until the rounds are done (see measure()).
+        spec = importlib.util.find_spec("deepspeed")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("deepspeed is not installed")
         z2f_script = os.path.join(workdir, "zero_to_fp32.py")
-        shutil.copyfile(z2f_module.__file__, z2f_script)
+        shutil.copyfile(os.path.join(spec.submodule_search_locations[0], "utils", "zero_to_fp32.py"), z2f_script)
         runs: dict[str, list[dict[str, float]]] = {"zero_to_fp32": [], "stagesafe": []}
         outs = {"zero_to_fp32": os.path.join(workdir, "out-z2f"), "stagesafe": os.path.join(workdir, "out-stagesafe")}
         commands = {
@@ -144,6 +154,11 @@ def main() -> int:
                 "-q",
             ],
         }
+        imports = {
+            "zero_to_fp32 imports": [sys.executable, z2f_script, "--help"],
+            "stagesafe imports": [sys.executable, "-c", "import stagesafe.cli, stagesafe.consolidate"],
+        }
+        runs.update({name: [] for name in imports})
         for round_ in range(args.repeat + 1):
             order = ["zero_to_fp32", "stagesafe"] if round_ % 2 == 0 else ["stagesafe", "zero_to_fp32"]
             for tool in order:
@@ -153,6 +168,14 @@ def main() -> int:
                     runs[tool].append(result)
                 print(
                     f"round {round_} {tool:13s} wall {result['wall']:.2f} s  durable {result['durable']:.2f} s  peak RSS {result['rss_mb']:.0f} MB",
+                    file=sys.stderr,
+                )
+            for name in order:
+                result = measure(imports[f"{name} imports"], env, cwd=workdir)
+                if round_ > 0:
+                    runs[f"{name} imports"].append(result)
+                print(
+                    f"round {round_} {name} imports only: wall {result['wall']:.2f} s  peak RSS {result['rss_mb']:.0f} MB",
                     file=sys.stderr,
                 )
         same = compare_outputs(outs["zero_to_fp32"], outs["stagesafe"])
@@ -169,17 +192,24 @@ def main() -> int:
             f"machine: {platform.platform()}, {os.cpu_count()} CPUs, python {platform.python_version()}, "
             f"torch {torch.__version__}, deepspeed {deepspeed.__version__}; median of {args.repeat} rounds\n"
         )
-        print("| tool | wall (s) | wall until synced (s) | peak RSS (MB) |")
-        print("|---|---:|---:|---:|")
-        for tool, results in runs.items():
+        print("| tool | wall (s) | wall until synced (s) | peak RSS (MB) | largest peak RSS (MB) |")
+        print("|---|---:|---:|---:|---:|")
+        for tool in ("zero_to_fp32", "stagesafe"):
             print(
-                f"| {tool} | {med(tool, 'wall'):.2f} | {med(tool, 'durable'):.2f} | {max(r['rss_mb'] for r in results):.0f} |"
+                f"| {tool} | {med(tool, 'wall'):.2f} | {med(tool, 'durable'):.2f} | {med(tool, 'rss_mb'):.0f} | "
+                f"{max(r['rss_mb'] for r in runs[tool]):.0f} |"
             )
         print(
             f"| **ratio** stagesafe / zero_to_fp32 | **{med('stagesafe', 'wall') / med('zero_to_fp32', 'wall'):.2f}** | "
             f"**{med('stagesafe', 'durable') / med('zero_to_fp32', 'durable'):.2f}** | "
-            f"**{max(r['rss_mb'] for r in runs['stagesafe']) / max(r['rss_mb'] for r in runs['zero_to_fp32']):.2f}** |"
+            f"**{med('stagesafe', 'rss_mb') / med('zero_to_fp32', 'rss_mb'):.2f}** | "
+            f"{max(r['rss_mb'] for r in runs['stagesafe']) / max(r['rss_mb'] for r in runs['zero_to_fp32']):.2f} |"
         )
+        print("\nimports alone (included in the rows above):\n")
+        print("| imports of | wall (s) | peak RSS (MB) |")
+        print("|---|---:|---:|")
+        for name in imports:
+            print(f"| {name.removesuffix(' imports')} | {med(name, 'wall'):.2f} | {med(name, 'rss_mb'):.0f} |")
         reproduce = " ".join(["python", "benchmarks/bench_consolidate.py", *sys.argv[1:]])
         print(f"\nreproduce: {reproduce}")
     finally:

@@ -1,6 +1,6 @@
-"""A long fuzz run of the readers on hostile files: safetensors headers, handoffs and ZeRO rank files.
+"""A long fuzz run of the readers on hostile files: safetensors headers, handoffs, ZeRO rank files and their pickles.
 
-Reproduce:  nice python benchmarks/fuzz_hostile.py 900            # 15 minutes, shared among the 3 targets
+Reproduce:  nice python benchmarks/fuzz_hostile.py 900            # 15 minutes, shared among the 4 targets
             python benchmarks/fuzz_hostile.py 60 --target handoff  # one target
 
 The targets and their properties are those of ``tests/_fuzz.py`` (the test suite runs a few derandomized
@@ -24,7 +24,7 @@ import tempfile
 import time
 
 REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-TARGETS = ("header", "handoff", "rank_files")
+TARGETS = ("header", "handoff", "rank_files", "pickles")
 BATCH = 100  # examples per hypothesis run; each run draws a new seed
 
 

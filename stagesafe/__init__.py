@@ -3,17 +3,18 @@
 One format everywhere: Hugging Face-style safetensors shards, ``model.safetensors.index.json`` and a
 manifest (``stagesafe.json``) with the sha256 of every shard, on any fsspec URL.
 
-The strategy is imported lazily (PEP 562) so that the ``stagesafe`` command line does not pay for Lightning
-and DeepSpeed; it registers its names (``Trainer(strategy="stagesafe_deepspeed_stage_3")``) as soon as
-``lightning.pytorch`` is imported, before or after stagesafe.
+``import stagesafe`` loads only the errors: every public function and the strategy load on first use (PEP 562),
+so that the ``stagesafe`` command line pays for neither torch, Lightning nor DeepSpeed. The strategy registers
+its names (``Trainer(strategy="stagesafe_deepspeed_stage_3")``) when ``stagesafe.strategy`` is imported (as
+``stagesafe.StageSafeDeepSpeedStrategy`` does), and at ``import stagesafe`` if ``lightning.pytorch`` is
+imported already. A LightningCLI script that selects it by name imports ``stagesafe.strategy`` first.
 """
 
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
 import sys
+import types
 from typing import Any
 
 from stagesafe.errors import (
@@ -34,12 +35,19 @@ from stagesafe.errors import (
 
 __version__ = "0.1.0"
 
-from stagesafe.consolidate import consolidate, inspect_checkpoint, load_zero_checkpoint
-from stagesafe.restore import restore
-from stagesafe.handoff.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
-
-# Only the strategy pulls in Lightning and DeepSpeed: it loads on first use, or as soon as Lightning does.
-_LAZY = {"StageSafeDeepSpeedStrategy": "stagesafe.strategy"}
+# public name -> the module that defines it, imported when the name is first used
+_LAZY = {
+    "StageSafeDeepSpeedStrategy": "stagesafe.strategy",
+    "consolidate": "stagesafe.consolidate",
+    "inspect_checkpoint": "stagesafe.consolidate",
+    "load_zero_checkpoint": "stagesafe.consolidate",
+    "restore": "stagesafe.restore",
+    "RetryPolicy": "stagesafe.handoff.store",
+    "load_state_dict": "stagesafe.handoff.store",
+    "read_manifest": "stagesafe.handoff.store",
+    "save_state_dict": "stagesafe.handoff.store",
+    "verify": "stagesafe.handoff.store",
+}
 
 __all__ = [
     "StageSafeDeepSpeedStrategy",
@@ -82,33 +90,18 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
 
 
-class _RegisterWithLightning(importlib.abc.MetaPathFinder):
-    """Once ``lightning.pytorch`` has finished importing, import the strategy, which registers its names, so
-    ``Trainer(strategy="stagesafe_deepspeed_stage_3")`` works whichever of the two was imported first."""
+class _Package(types.ModuleType):
+    """The package module, which keeps ``stagesafe.consolidate`` and ``stagesafe.restore`` the functions: importing
+    the submodules of those names would otherwise bind the modules over them (the import system sets a loaded
+    submodule as an attribute of its package), and a lazy name is never looked up once an attribute is set."""
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name != "lightning.pytorch":
-            return None
-        sys.meta_path.remove(self)
-        spec = importlib.util.find_spec(name)
-        if spec is not None and spec.loader is not None and hasattr(spec.loader, "exec_module"):
-            spec.loader = _ThenRegister(spec.loader)
-        return spec
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == f"{__name__}.{name}":
+            return  # the submodule stays reachable as sys.modules["stagesafe.<name>"]
+        super().__setattr__(name, value)
 
 
-class _ThenRegister(importlib.abc.Loader):
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-
-    def create_module(self, spec: Any) -> Any:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        self.loader.exec_module(module)
-        importlib.import_module("stagesafe.strategy")
-
+sys.modules[__name__].__class__ = _Package
 
 if "lightning.pytorch" in sys.modules:  # the user works with Lightning: register the strategy names now
     importlib.import_module("stagesafe.strategy")
-else:
-    sys.meta_path.insert(0, _RegisterWithLightning())

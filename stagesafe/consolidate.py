@@ -5,6 +5,10 @@ own steps (:func:`stagesafe.handoff.store.write_shard`, :func:`stagesafe.handoff
 and a strategy handoff are the same format, written by the same code. Only the tensors of the shards being
 written are in memory. :func:`load_zero_checkpoint` reads a (small) checkpoint into memory instead, and
 :func:`inspect_checkpoint` describes a handoff or a ZeRO checkpoint without reading tensor data.
+
+:func:`consolidate` and :func:`inspect_checkpoint` need no torch: dtypes are names, and the checkpoint's bytes go
+from the rank files to the shards as they are. Only a cast to another dtype (``dtype="bf16"``) imports torch,
+whose rounding defines the result; :func:`load_zero_checkpoint` returns tensors, so it imports torch too.
 """
 
 from __future__ import annotations
@@ -13,9 +17,7 @@ import concurrent.futures
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff import store
 from stagesafe.handoff.codec import check_tensor
@@ -23,6 +25,10 @@ from stagesafe.handoff.fs import join, list_files, resolve, url_of
 from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
+from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "DTYPES",
@@ -32,13 +38,13 @@ __all__ = [
     "load_zero_checkpoint_with_client_state",
 ]
 
-DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32,
-    "float32": torch.float32,
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
+DTYPES: dict[str, str] = {  # what --dtype (dtype=) accepts -> the dtype, as torch and the manifest name it
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
 }
 
 
@@ -92,7 +98,7 @@ def consolidate(
                 "world_size": ckpt.world_size,
                 "deepspeed_version": ckpt.ds_version,
             },
-            "dtype": None if out_dtype is None else _dtype_name(out_dtype),
+            "dtype": out_dtype,
             "exclude_frozen": bool(exclude_frozen),
         }
         try:
@@ -174,25 +180,27 @@ def inspect_checkpoint(
 # -- internals -----------------------------------------------------------------------------------------------------
 
 
-def _parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
-        return dtype
-    if isinstance(dtype, str) and dtype.lower().removeprefix("torch.") in DTYPES:
-        return DTYPES[dtype.lower().removeprefix("torch.")]
+def _parse_dtype(dtype: str | torch.dtype | None) -> str | None:
+    """The dtype's name, for a name or alias (``"bf16"``) or a ``torch.dtype`` (then torch is imported already)."""
+    if dtype is None:
+        return None
+    torch = sys.modules.get("torch")
+    name = str(dtype) if torch is not None and isinstance(dtype, torch.dtype) else dtype
+    key = name.lower().removeprefix("torch.") if isinstance(name, str) else None
+    if key in DTYPES:
+        return DTYPES[key]
     raise InvalidArgumentError(f"dtype={dtype!r} is not one of fp32, bf16, fp16 (or None to keep DeepSpeed's dtypes)")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _out_dtype(dtype: str, out: str | None) -> str:
+    return out if out is not None and dtype in FLOATING else dtype
 
 
-def _out_dtype(dtype: torch.dtype, out: torch.dtype | None) -> torch.dtype:
-    return out if out is not None and dtype.is_floating_point else dtype
+def _cast(tensor: torch.Tensor, out: str | None) -> torch.Tensor:
+    import torch
 
-
-def _cast(tensor: torch.Tensor, out: torch.dtype | None) -> torch.Tensor:
-    target = _out_dtype(tensor.dtype, out)
-    return tensor if tensor.dtype == target else tensor.to(target)
+    target = _out_dtype(str(tensor.dtype).removeprefix("torch."), out)
+    return tensor.to(getattr(torch, target))
 
 
 def _check_destination(fs: Any, root: str, overwrite: bool) -> None:
@@ -206,20 +214,20 @@ def _check_destination(fs: Any, root: str, overwrite: bool) -> None:
 
 
 class _LazyStateDict(Mapping):
-    """The checkpoint's stored tensors as a mapping that reads (and casts) a tensor only when asked for it."""
+    """The checkpoint's stored tensors as a mapping that reads (and casts) a tensor only when asked for it: the
+    rank files' bytes as they are, or a tensor cast by torch to the dtype asked for."""
 
-    def __init__(self, ckpt: ZeroCheckpoint, out: torch.dtype | None):
+    def __init__(self, ckpt: ZeroCheckpoint, out: str | None):
         self._ckpt, self._out = ckpt, out
         self.on_read: Callable[[int], Any] | None = None  # told the bytes of each tensor read (a progress bar)
 
     def __getitem__(self, name: str) -> torch.Tensor | store.Pieces:
         spec = self._ckpt.tensors[name]
         out = _out_dtype(spec.dtype, self._out)
-        parts = self._ckpt.pieces(name) if out == spec.dtype else None
         if self.on_read is not None:
-            self.on_read(spec.numel * out.itemsize)
-        if parts is not None:  # written from the rank files piece by piece, never joined into one tensor
-            return store.Pieces(spec.dtype, spec.shape, parts)
+            self.on_read(spec.numel * ITEMSIZE[out])
+        if out == spec.dtype:  # written from the rank files piece by piece, never joined into one tensor
+            return store.Pieces(spec.dtype, spec.shape, self._ckpt.pieces(name))
         return _cast(self._ckpt.read(name), self._out)
 
     def __iter__(self) -> Iterator[str]:
@@ -229,26 +237,25 @@ class _LazyStateDict(Mapping):
         return len(self._ckpt.tensors)
 
 
-def _plan(ckpt: ZeroCheckpoint, out: torch.dtype | None, limit: int, *, taken: set[str]) -> store.HandoffPlan:
+def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str]) -> store.HandoffPlan:
     """The store's plan for the checkpoint, made from its description (no tensor is read). Every name, dtype and
     shape is checked first: what safetensors cannot store is refused before a byte is written."""
     for name in ckpt.state_dict_names():
         spec = ckpt.tensors[ckpt.aliases.get(name, name)]
         try:
-            dtype = _dtype_name(_out_dtype(spec.dtype, out))
-            check_tensor(name, dtype, spec.shape, where="the checkpoint's state dict")
+            check_tensor(name, _out_dtype(spec.dtype, out), spec.shape, where="the checkpoint's state dict")
         except InvalidArgumentError as exc:
             raise CheckpointFormatError(
                 f"{ckpt.tag_url!r}: {exc}. Nothing was written; load_zero_checkpoint reads such a tensor into memory"
             ) from None
-    sizes = {name: spec.numel * _out_dtype(spec.dtype, out).itemsize for name, spec in ckpt.tensors.items()}
+    sizes = {name: spec.numel * ITEMSIZE[_out_dtype(spec.dtype, out)] for name, spec in ckpt.tensors.items()}
     groups = plan_shards(sizes.items(), limit)
     files = shard_file_names(len(groups), taken=taken)
     shards = dict(zip(files, groups))
     described = {}
     for name in ckpt.state_dict_names():
         spec = ckpt.tensors[ckpt.aliases.get(name, name)]
-        described[name] = {"dtype": _dtype_name(_out_dtype(spec.dtype, out)), "shape": list(spec.shape)}
+        described[name] = {"dtype": _out_dtype(spec.dtype, out), "shape": list(spec.shape)}
     return store.HandoffPlan(
         shards=shards,
         weight_map={name: file for file, names in shards.items() for name in names},
@@ -356,13 +363,13 @@ def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
 
 def _describe_zero(ckpt: ZeroCheckpoint) -> dict[str, Any]:
     tensors: list[dict[str, Any]] = [
-        {"name": s.name, "dtype": _dtype_name(s.dtype), "shape": list(s.shape), "kind": s.kind}
+        {"name": s.name, "dtype": s.dtype, "shape": list(s.shape), "kind": s.kind}
         for s in ckpt.tensors.values()
     ]
     for alias, canonical in ckpt.aliases.items():
         spec = ckpt.tensors[canonical]
         tensors.append(
-            {"name": alias, "dtype": _dtype_name(spec.dtype), "shape": list(spec.shape), "alias_of": canonical}
+            {"name": alias, "dtype": spec.dtype, "shape": list(spec.shape), "alias_of": canonical}
         )
     return {
         "kind": "deepspeed",

@@ -18,6 +18,14 @@ readers on it and checks what every reader must keep, whatever the input:
   they fail, write a handoff that verifies and loads as the checkpoint reads when they succeed, and open nothing
   outside the two folders.
 
+- ``pickles``: the pickle of a rank file alone (``data.pkl``), as an attacker writes it: DeepSpeed's pickles and
+  torch.save's with bytes flipped, cut, inserted or deleted and live payloads spliced in (``os.system``,
+  ``builtins.exec``, ``INST``, ``OBJ``, ``EXT1``, allow-listed globals given an attacker's arguments), or opcode
+  streams built from pieces. The reader returns a value or raises ``CheckpointFormatError``/``UnsafeCheckpointError``
+  (one short line naming the file), and raises no audit event while it reads (no import, open, exec, call of
+  ``os.system`` or ``subprocess``): nothing a pickle names runs. Every payload is live: Python's pickle runs it
+  (``tests/test_fuzz.py`` checks that).
+
 A crash (SIGSEGV, SIGBUS) or a hang cannot be caught in the process: callers run targets in a child process
 with a watchdog (:func:`run` arms ``faulthandler`` per case).
 """
@@ -34,11 +42,21 @@ import os
 import shutil
 import struct
 import tempfile
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from _hostile import INDEX, MANIFEST, forge_manifest, opened_files, outside, safetensors_bytes, write_zero_checkpoint
+from _hostile import (
+    INDEX,
+    MANIFEST,
+    audit_events,
+    forge_manifest,
+    opened_files,
+    outside,
+    safetensors_bytes,
+    write_zero_checkpoint,
+)
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -561,12 +579,169 @@ def check_rank_files(workdir: str, case: dict[str, Any]) -> str:
     return "consolidated"
 
 
+# -- pickles ---------------------------------------------------------------------------------------------------------
+
+
+def _text(value: str) -> bytes:
+    data = value.encode("utf-8", "surrogatepass")
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+def _bytes_op(data: bytes) -> bytes:
+    return b"B" + len(data).to_bytes(4, "little") + data
+
+
+def _touch(marker: str) -> str:
+    return f"touch {marker}"
+
+
+# Pieces of pickle that run code under Python's pickle, each creating the file ``marker``: what an attacker
+# splices into a rank file's pickle. tests/test_fuzz.py checks that each is live.
+PAYLOADS: dict[str, Callable[[str], bytes]] = {
+    "global_reduce": lambda m: b"cposix\nsystem\n(" + _text(_touch(m)) + b"tR",
+    "os_system": lambda m: b"cos\nsystem\n" + _text(_touch(m)) + b"\x85R",
+    "stack_global": lambda m: _text("os") + _text("system") + b"\x93" + _text(_touch(m)) + b"\x85R",
+    "exec": lambda m: b"cbuiltins\nexec\n" + _text(f"open({m!r}, 'w').close()") + b"\x85R",
+    "eval_py2_name": lambda m: b"c__builtin__\neval\n" + _text(f"open({m!r}, 'w')") + b"\x85R",
+    "open": lambda m: b"cbuiltins\nopen\n" + _text(m) + _text("w") + b"\x86R",
+    "inst": lambda m: b"(" + _text(_touch(m)) + b"ios\nsystem\n",
+    "obj": lambda m: b"(cos\nsystem\n" + _text(_touch(m)) + b"o",
+    "subprocess": lambda m: b"csubprocess\nrun\n](" + _text("touch") + _text(m) + b"e\x85R",
+    "getattr_chain": lambda m: b"cbuiltins\ngetattr\ncbuiltins\n__import__\n" + _text("os") + b"\x85R"
+    + _text("system") + b"\x86R" + _text(_touch(m)) + b"\x85R",
+    "reduce_of_allowed_then_refused": lambda m: b"ccollections\nOrderedDict\n)R" + b"cos\nsystem\n"
+    + _text(_touch(m)) + b"\x85R" + b"\x86",
+    "build_setstate": lambda m: b"ccollections\nOrderedDict\n)R}" + _text("__setstate__") + b"cos\nsystem\n"
+    + b"sb" + _text(_touch(m)) + b"b",
+    "torch_load_bytes": lambda m: b"ctorch.storage\n_load_from_bytes\n" + _bytes_op(b"\x80\x02" + PAYLOADS["os_system"](m) + b".")
+    + b"\x85R",
+}
+
+# Pieces of DeepSpeed's pickles, for streams built from pieces: each pushes, pops or builds something.
+_PIECES = [
+    b"(", b")", b"]", b"}", b"\x8f", b"0", b"1", b"2", b"N", b"\x88", b"\x89", b"K\x07", b"M\xff\x00",
+    b"J\xff\xff\xff\xff", b"\x8a\x01\x80", b"\x8a\x00", b"G?\xf0\x00\x00\x00\x00\x00\x00", b"\x8c\x01w",
+    _text("optimizer_state_dict"), _text("storage"), _text("0"), _text("cpu"), b"C\x02ab", b"t", b"\x85", b"\x86",
+    b"\x87", b"a", b"e", b"s", b"u", b"\x90", b"\x91", b"q\x00", b"q\x01", b"h\x00", b"h\x01", b"\x94",
+    b"r\x00\x00\x00\x00", b"j\x00\x00\x00\x00", b"R", b"\x81", b"b", b"Q", b"\x92",
+    b"ctorch._utils\n_rebuild_tensor_v2\n", b"ctorch._utils\n_rebuild_parameter\n",
+    b"ctorch._tensor\n_rebuild_from_type_v2\n", b"ctorch\nFloatStorage\n", b"ctorch\nBFloat16Storage\n",
+    b"ctorch\nbfloat16\n", b"ctorch\nSize\n", b"ctorch\ndevice\n", b"ctorch\nTensor\n",
+    b"ccollections\nOrderedDict\n", b"c__builtin__\nset\n", b"cbuiltins\nfrozenset\n", b"c_codecs\nencode\n",
+    b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n", b"cdeepspeed.runtime.zero.config\nZeroStageEnum\n",
+    b"clightning.fabric.utilities.data\nAttributeDict\n", b"cargparse\nNamespace\n",
+    b"(\x8c\x07storagectorch\nFloatStorage\n\x8c\x010\x8c\x03cpuK\x04tQ",  # a storage's persistent id
+    b"K\x00K\x04\x85K\x01\x85\x89ccollections\nOrderedDict\n)R\x86",  # offset, size, stride, grad, hooks
+]
+
+
+def _seed_pickles() -> list[bytes]:
+    """The pickles of a real ZeRO-2 and ZeRO-3 checkpoint's rank files, and of torch.save's other shapes."""
+    import zipfile
+
+    seeds = []
+    with tempfile.TemporaryDirectory() as folder:
+        params = {"w": torch.ones(3, 2), "b": torch.ones(3)}
+        for stage in (2, 3):
+            src = write_zero_checkpoint(
+                os.path.join(folder, str(stage)), params, stage=stage, buffers={"s": torch.ones(2, dtype=torch.bfloat16)}
+            )
+            tag = os.path.join(src, "global_step1")
+            for name in sorted(os.listdir(tag))[:2]:
+                with zipfile.ZipFile(os.path.join(tag, name)) as archive:
+                    seeds.append(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))
+    base = torch.arange(6.0).view(2, 3)
+    other = {
+        "view": base[:, ::2], "p": torch.nn.Parameter(torch.ones(2)), "u16": torch.ones(2, dtype=torch.uint16),
+        "size": torch.Size([2, 3]), "device": torch.device("cpu"), "dtype": torch.bfloat16, "set": {1, 2},
+        "frozen": frozenset({"a"}), "bytes": b"\x00\xff", "array": bytearray(b"ab"), "od": OrderedDict(a=[1, (2, 3)]),
+    }  # fmt: skip
+    buffer = io.BytesIO()
+    torch.save(other, buffer)
+    import zipfile
+
+    with zipfile.ZipFile(buffer) as archive:
+        seeds.append(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))
+    return seeds
+
+
+_SEEDS: list[bytes] = []
+
+_MUTATION = st.one_of(
+    st.tuples(st.just("payload"), st.floats(0, 1), st.sampled_from(sorted(PAYLOADS))),
+    st.tuples(st.just("flip"), st.floats(0, 1), st.integers(0, 7)),
+    st.tuples(st.just("cut"), st.floats(0, 1)),
+    st.tuples(st.just("insert"), st.floats(0, 1), st.binary(min_size=1, max_size=9)),
+    st.tuples(st.just("piece"), st.floats(0, 1), st.sampled_from(range(len(_PIECES)))),
+    st.tuples(st.just("delete"), st.floats(0, 1), st.integers(1, 16)),
+)
+
+
+@st.composite
+def pickle_cases(draw) -> tuple:
+    """("mutated", seed index, mutations) or ("pieces", protocol byte, [piece index or payload name])."""
+    if draw(st.booleans()):
+        return "mutated", draw(st.integers(0, 4)), draw(st.lists(_MUTATION, min_size=1, max_size=4))
+    tokens = st.one_of(st.sampled_from(range(len(_PIECES))), st.sampled_from(sorted(PAYLOADS)))
+    return "pieces", draw(st.sampled_from([2, 4, 5, 6])), draw(st.lists(tokens, max_size=24))
+
+
+def build_pickle(case: tuple, marker: str) -> bytes:
+    """The bytes of a pickle case, its payloads creating ``marker`` if they ever run."""
+    if case[0] == "pieces":
+        body = b"".join(PAYLOADS[t](marker) if isinstance(t, str) else _PIECES[t] for t in case[2])
+        return b"\x80" + bytes([case[1]]) + body + b"."
+    if not _SEEDS:
+        _SEEDS.extend(_seed_pickles())
+    data = bytearray(_SEEDS[case[1] % len(_SEEDS)])
+    for kind, where, *arg in case[2]:
+        at = int(where * len(data))
+        if kind == "payload":
+            data[at:at] = PAYLOADS[arg[0]](marker)
+        elif kind == "flip" and data:
+            data[min(at, len(data) - 1)] ^= 1 << arg[0]
+        elif kind == "cut":
+            del data[at:]
+        elif kind == "insert":
+            data[at:at] = arg[0]
+        elif kind == "piece":
+            data[at:at] = _PIECES[arg[0]]
+        elif kind == "delete":
+            del data[at : at + arg[0]]
+    return bytes(data)
+
+
+_HARMLESS_EVENTS = {"builtins.id"}  # reprlib's bounded repr of a value for an error message asks for ids
+
+
+def check_pickle(workdir: str, case: tuple) -> str:
+    """Read a crafted pickle; raises AssertionError on a violation."""
+    import pickletools  # noqa: F401 - the reader imports it to name an unknown opcode: loaded before, not while
+
+    from stagesafe.zero.pickle_reader import read_pickle
+
+    marker = os.path.join(workdir, "ran")
+    data = build_pickle(case, marker)
+    display = "fuzz/zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    with audit_events() as events:
+        kind, value = _outcome(lambda: read_pickle(data, display=display))
+    ran = [event for event in events if event not in _HARMLESS_EVENTS]
+    assert not ran, f"reading raised the audit events {ran[:8]}"
+    assert not os.path.exists(marker), "a payload ran"
+    assert kind in ("ok", "CheckpointFormatError", "UnsafeCheckpointError"), f"read raised {kind}: {value!r}"
+    if kind != "ok":
+        message = str(value)
+        assert display in message and "\n" not in message and len(message) < 2000, message[:3000]
+    return "read" if kind == "ok" else "refused"
+
+
 # -- running them --------------------------------------------------------------------------------------------------
 
 TARGETS: dict[str, tuple[Any, Callable[[str, Any], str]]] = {
     "header": (safetensors_files(), lambda workdir, blob: check_header(blob)),
     "handoff": (st.tuples(state_dicts(), handoff_cases()), lambda workdir, case: check_handoff(workdir, *case)),
     "rank_files": (rank_file_cases(), check_rank_files),
+    "pickles": (pickle_cases(), check_pickle),
 }
 
 

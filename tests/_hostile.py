@@ -188,6 +188,37 @@ def opened_files() -> Iterator[list[str]]:
             _recording.remove(paths)
 
 
+_events: list[list[str]] = []
+
+
+def _every_event(event: str, args: tuple) -> None:
+    if _events:
+        with _lock:
+            for events in _events:
+                events.append(event)
+
+
+@contextlib.contextmanager
+def audit_events() -> Iterator[list[str]]:
+    """Record every audit event the process raises while the block runs (``os.system``, ``exec``, ``import``,
+    ``open``, ``subprocess.Popen``, ...): what running code a file names would show."""
+    global _every_hooked
+    if not _every_hooked:
+        sys.addaudithook(_every_event)
+        _every_hooked = True
+    events: list[str] = []
+    with _lock:
+        _events.append(events)
+    try:
+        yield events
+    finally:
+        with _lock:
+            _events.remove(events)
+
+
+_every_hooked = False
+
+
 def outside(paths: list[str], folder: str) -> list[str]:
     """The paths, symbolic links followed, that do not lie inside ``folder``."""
     real = os.path.realpath(folder)

@@ -14,7 +14,7 @@ import fsspec
 import pytest
 import torch
 from _hostile import run_python
-from _launch import zero_checkpoints
+from _launch import sanitized_env, zero_checkpoints
 from safetensors.torch import load_file
 
 from stagesafe.cli import main
@@ -360,6 +360,45 @@ def test_verify_without_handoff_is_exit_2(ckpts, tmp_path, capsys):
     assert_one_error_line(err, "no handoff", "is a DeepSpeed checkpoint", "stagesafe consolidate")
 
 
+# -- what the commands import -------------------------------------------------------------------------------------------
+
+
+def test_consolidate_inspect_and_verify_never_import_torch(ckpts, tmp_path):
+    """The rank files are read by stagesafe's own pickle reader and written as bytes, so the commands load
+    neither torch nor DeepSpeed nor Lightning, whatever the stage, dtype and layout; a cast (--dtype) does."""
+    code = (
+        "import sys\n"
+        "from stagesafe.cli import main\n"
+        "out = sys.argv[1]\n"
+        "for i, src in enumerate(sys.argv[2:]):\n"
+        "    assert main(['consolidate', src, f'{out}/{i}', '--max-shard-size', '1000', '-q']) == 0\n"
+        "    assert main(['inspect', src, '--json']) == 0\n"
+        "    assert main(['verify', f'{out}/{i}']) == 0 and main(['inspect', f'{out}/{i}']) == 0\n"
+        "print('IMPORTED', sorted(m for m in ('torch', 'deepspeed', 'lightning') if m in sys.modules))\n"
+        "assert main(['consolidate', src, f'{out}/cast', '--dtype', 'bf16', '-q']) == 0\n"
+        "print('AFTER --dtype', 'torch' in sys.modules)\n"
+    )
+    sources = [ckpts[name]["path"] for name in ("s1", "s2b", "s3", "s3b", "lit")]
+    result = run_python(code, str(tmp_path), *sources, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "IMPORTED []" in result.stdout and "AFTER --dtype True" in result.stdout, result.stdout
+
+
+def test_importtime_of_consolidate_shows_no_torch(ckpts, tmp_path):
+    """``python -X importtime -m stagesafe.cli consolidate ...``: the modules the command imports."""
+    import subprocess
+
+    command = [sys.executable, "-X", "importtime", "-m", "stagesafe.cli", "consolidate", ckpts["s3"]["path"]]
+    result = subprocess.run(
+        [*command, str(tmp_path / "out"), "-q"], env=sanitized_env(), capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    imported = [line.rsplit("|", 1)[1].strip() for line in result.stderr.splitlines() if line.startswith("import time:")]
+    assert "stagesafe.zero.pickle_reader" in imported and "fsspec" in imported
+    heavy = [m for m in imported if m.split(".")[0] in ("torch", "deepspeed", "lightning", "numpy")]
+    assert not heavy, heavy[:10]
+
+
 # -- help --------------------------------------------------------------------------------------------------------------
 
 
@@ -412,7 +451,8 @@ def test_an_output_that_cannot_be_written_is_exit_1_and_left_as_it_was(world_rea
     result = run_python(
         "import os, pwd, sys\n"
         "from stagesafe.cli import main\n"
-        "if sys.argv[1] == 'nobody':\n"
+        "if sys.argv[1] == 'nobody':  # load what the command imports first: nobody cannot read root's Python\n"
+        "    import gettext, locale, stagesafe.consolidate\n"
         "    os.setgid(pwd.getpwnam('nobody').pw_gid)\n"
         "    os.setuid(pwd.getpwnam('nobody').pw_uid)\n"
         "sys.exit(main(sys.argv[2:]))\n",

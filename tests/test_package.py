@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+NAMES = str(sorted(f"stagesafe_deepspeed_stage_{s}" for s in ("1", "2", "2_offload", "3", "3_offload")))
+REGISTERED = "from lightning.pytorch.strategies import StrategyRegistry\nprint(sorted(k for k in StrategyRegistry if k.startswith('stagesafe')))"
+
 
 def _python(code: str) -> str:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -15,17 +18,27 @@ def _python(code: str) -> str:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("order", ["import stagesafe, lightning.pytorch", "import lightning.pytorch, stagesafe"])
-def test_strategy_names_registered_whichever_is_imported_first(order):
-    out = _python(f"{order}\nfrom lightning.pytorch.strategies import StrategyRegistry\n"
-                  "print(sorted(k for k in StrategyRegistry if k.startswith('stagesafe')))")
-    assert out == str(sorted(f"stagesafe_deepspeed_stage_{s}" for s in ("1", "2", "2_offload", "3", "3_offload")))
+@pytest.mark.parametrize("then", ["import stagesafe.strategy", "stagesafe.StageSafeDeepSpeedStrategy"])
+def test_strategy_names_are_registered_when_the_strategy_is_imported(then):
+    out = _python(f"import stagesafe, lightning.pytorch\n{REGISTERED}\n{then}\n{REGISTERED}")
+    assert out.splitlines() == ["[]", NAMES]
 
 
 @pytest.mark.slow
-def test_the_command_line_does_not_import_lightning_or_deepspeed():
-    out = _python("import sys, stagesafe, stagesafe.cli\nprint('lightning.pytorch' in sys.modules, 'deepspeed' in sys.modules)")
-    assert out == "False False"
+def test_strategy_names_are_registered_at_import_when_lightning_is_there_first():
+    assert _python(f"import lightning.pytorch, stagesafe\n{REGISTERED}") == NAMES
+
+
+@pytest.mark.slow
+def test_import_installs_no_import_hook():
+    out = _python("import sys\nbefore = list(sys.meta_path)\nimport stagesafe\nprint(sys.meta_path == before)")
+    assert out == "True"
+
+
+@pytest.mark.slow
+def test_the_package_and_the_command_line_import_no_torch_lightning_or_deepspeed():
+    out = _python("import sys, stagesafe, stagesafe.cli\nprint([m for m in ('torch', 'lightning', 'deepspeed') if m in sys.modules])")
+    assert out == "[]"
 
 
 @pytest.mark.slow
@@ -33,3 +46,9 @@ def test_public_functions_stay_functions_after_their_modules_load():
     out = _python("import stagesafe, stagesafe.strategy, stagesafe.consolidate, stagesafe.restore\n"
                   "print(callable(stagesafe.restore), callable(stagesafe.consolidate), stagesafe.StageSafeDeepSpeedStrategy.__name__)")
     assert out == "True True StageSafeDeepSpeedStrategy"
+
+
+@pytest.mark.slow
+def test_every_public_name_resolves():
+    out = _python("import stagesafe\nprint(all(getattr(stagesafe, n) is not None for n in stagesafe.__all__), 'consolidate' in dir(stagesafe))")
+    assert out == "True True"

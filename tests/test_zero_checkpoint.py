@@ -63,6 +63,28 @@ def assert_bit_equal(ours: dict, ref: dict) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_fp16_checkpoints_equal_deepspeed_and_consolidate_without_torch(tmp_path_factory, tmp_path, stage):
+    """fp16 training (DynamicLossScaler in the optimizer state, fp16 frozen parameters and buffers): the reader
+    and the command give DeepSpeed's values bit for bit, and the command loads no torch for them."""
+    built = zero_checkpoints(
+        str(tmp_path_factory.getbasetemp() / "zero_fp16"),
+        ("h1:stage=1,dtype=fp16", "h2:stage=2,dtype=fp16", "h3:stage=3,dtype=fp16"),
+    )
+    path = built[f"h{stage}"]["path"]
+    ref = deepspeed_reference(path)
+    ours = load_zero_checkpoint(path)
+    assert set(ours) - set(ref) == (FROZEN if stage == 1 else set())  # stage 1: frozen ones kept (module doc)
+    assert ours["frozen.weight"].dtype == torch.float16 and ours["scale"].dtype == torch.float32
+    assert_bit_equal(ours, ref)
+    out = str(tmp_path / "out")
+    code = "import sys; from stagesafe.cli import main; rc = main(['consolidate', *sys.argv[1:], '-q']); print('torch' in sys.modules); sys.exit(rc)"
+    result = run_python(code, path, out)
+    assert result.returncode == 0 and result.stdout.split() == ["False"], result.stderr[-2000:]
+    assert_bit_equal(load_state_dict(out), ref)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w3s2", "w3s3"])
 def test_three_ranks_equal_deepspeed(tmp_path_factory, name):
     """World size 3: other paddings (ZeRO-2 aligns groups to 2 * 3 elements, ZeRO-3 splits params in thirds)."""
@@ -150,7 +172,7 @@ def test_describes_without_reading(ckpts, name):
         for tensor_name, spec in ckpt.tensors.items():
             if tensor_name in ref:
                 assert spec.shape == tuple(ref[tensor_name].shape)
-                assert spec.dtype == ref[tensor_name].dtype
+                assert spec.dtype == str(ref[tensor_name].dtype).removeprefix("torch.")
         kinds = {n: s.kind for n, s in ckpt.tensors.items()}
         assert kinds["scale"] == kinds["counter"] == "buffer"
         assert kinds["frozen.weight"] == "frozen" and kinds["embed.weight"] == "param"
@@ -169,21 +191,14 @@ def test_read_returns_tensors_of_their_own(ckpts):
 
 @pytest.mark.parametrize("name", ALL)
 def test_pieces_are_read_one_at_a_time_and_join_into_read(ckpts, name):
-    """What the CLI writes without joining a tensor: every fp32 master comes as pieces read from the rank files
-    as they are iterated, and the pieces of any tensor join into exactly what read() returns."""
+    """What the CLI writes without torch: every tensor comes as the bytes of pieces read from the rank files as
+    they are iterated (a 16-bit buffer widened to fp32), and they join into exactly the bytes read() returns."""
     with open_zero_checkpoint(ckpts[name]["path"]) as ckpt:
-        pieced = set()
         for tensor_name, spec in ckpt.tensors.items():
             parts = ckpt.pieces(tensor_name)
-            if parts is None:
-                continue
-            pieced.add(tensor_name)
-            parts = list(parts)
-            assert all(part.dtype == spec.dtype and part.untyped_storage().nbytes() == part.nbytes for part in parts)
-            joined = torch.cat([part.reshape(-1) for part in parts]) if parts else torch.empty(0, dtype=spec.dtype)
-            assert torch.equal(joined.view(spec.shape), ckpt.read(tensor_name)), tensor_name
-        trained = {n for n, spec in ckpt.tensors.items() if spec.kind == "param"}
-    assert trained and trained <= pieced
+            joined = b"".join(bytes(part) for part in parts)
+            assert len(joined) == spec.nbytes, tensor_name
+            assert joined == ckpt.read(tensor_name).reshape(-1).view(torch.uint8).numpy().tobytes(), tensor_name
 
 
 def test_lightning_client_state(ckpts):
@@ -624,3 +639,89 @@ def test_client_state_tensors_are_read_once_per_storage_and_never_beyond_the_fil
     assert all(torch.equal(v, big[i * 10 : i * 10 + 10]) for i, v in enumerate(views))
     assert len({v.untyped_storage().data_ptr() for v in views}) == 1  # one storage, read once, as torch.load shares it
     assert torch.equal(client["callbacks"]["whole"], big)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16_bit_buffers_are_widened_as_deepspeed_widens_them(tmp_path, dtype):
+    """DeepSpeed's reader gives a floating buffer as ``buffer.float()``; the reader, consolidate and its pieces
+    give the same bits (zeros, a subnormal, infinities, a NaN whose payload shows how it was converted)."""
+    bits = torch.tensor([0x0000, 0x8000, 0x0001, 0x3C00, 0x7C00, 0xFC00, 0x7E01, 0x7D01], dtype=torch.int32)
+    buffer = bits.to(torch.int16).view(dtype)
+    src = write_zero_checkpoint(str(tmp_path / "ckpt"), _params(), stage=2, buffers={"b": buffer})
+    expected = buffer.float().view(torch.int32)
+    assert torch.equal(load_zero_checkpoint(src)["b"].view(torch.int32), expected)
+    consolidate(src, str(tmp_path / "out"))
+    written = load_state_dict(str(tmp_path / "out"))["b"]
+    assert written.dtype == torch.float32 and torch.equal(written.view(torch.int32), expected)
+
+
+def _crafted_pickle(path: str, pickle_bytes: bytes) -> None:
+    """Replace the pickle of the torch.save archive ``path`` with ``pickle_bytes`` (its CRC updated): what an
+    attacker who knows the format writes; the storages stay."""
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        records = [(info, archive.read(info)) for info in archive.infolist()]
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED) as archive:
+        for info, data in records:
+            archive.writestr(info, pickle_bytes if info.filename.endswith("/data.pkl") else data)
+
+
+def _text(value: str) -> bytes:
+    """A pickled str (BINUNICODE)."""
+    data = value.encode()
+    return b"X" + len(data).to_bytes(4, "little") + data
+
+
+# Pickles whose payload creates the file ``marker``, if run: each is run by Python's pickle in the test first.
+PAYLOADS = {
+    "global_reduce": lambda marker: b"cposix\nsystem\n(" + _text(f"touch {marker}") + b"tR.",
+    "open": lambda marker: b"\x80\x02cbuiltins\nopen\n" + _text(marker) + _text("w") + b"\x86R.",
+    "inst": lambda marker: b"\x80\x02(" + _text(f"touch {marker}") + b"ios\nsystem\n.",
+    "stack_global": lambda marker: b"\x80\x04" + _text("os") + _text("system") + b"\x93" + _text(f"touch {marker}")
+    + b"\x85R.",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(PAYLOADS))
+def test_a_rank_file_whose_pickle_would_run_code_is_refused_and_nothing_runs(tmp_path, name):
+    """The reader never calls what a pickle names: the file the payload creates when Python's pickle loads it is
+    never created, the refusal names the rank file, and consolidate exits 2 leaving nothing."""
+    marker = tmp_path / "pwned"
+    data = PAYLOADS[name](str(marker))
+    ran = run_python("import pickle, sys; pickle.loads(bytes.fromhex(sys.argv[1]))", data.hex())
+    assert marker.exists(), ran.stderr[-2000:]  # the payload is live
+    marker.unlink()
+    src = _crafted(tmp_path)
+    _crafted_pickle(os.path.join(src, "global_step1", "zero_pp_rank_0_mp_rank_00_optim_states.pt"), data)
+    with pytest.raises(UnsafeCheckpointError, match="zero_pp_rank_0_mp_rank_00_optim_states.pt.*nothing from the file"):
+        open_zero_checkpoint(src)
+    result = run_python("import sys; from stagesafe.cli import main; sys.exit(main(sys.argv[1:]))",
+                        "consolidate", src, str(tmp_path / "out"))
+    assert result.returncode == 2 and "refused to load" in result.stderr, result.stderr[-2000:]
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "pickle_byte_flipped", "legacy_format"])
+def test_a_damaged_rank_file_is_a_format_error_naming_it(tmp_path, how):
+    src = _crafted(tmp_path)
+    name = "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    path = os.path.join(src, "global_step1", name)
+    data = open(path, "rb").read()
+    if how == "truncated":
+        data = data[: len(data) // 2]
+    elif how == "garbage":
+        data = b"PK\x03\x04" + b"\x00" * 100
+    elif how == "pickle_byte_flipped":
+        at = data.index(b"optimizer_state_dict")
+        data = data[:at] + b"O" + data[at + 1 :]
+    else:
+        buffer = io.BytesIO()
+        torch.save({"w": torch.ones(4)}, buffer, _use_new_zipfile_serialization=False)
+        data = buffer.getvalue()
+    with open(path, "wb") as f:
+        f.write(data)
+    expected = {"pickle_byte_flipped": "fails its CRC check", "legacy_format": "not a zip-format torch file"}
+    with pytest.raises(CheckpointFormatError, match=rf"{name}.*{expected.get(how, 'cannot be read')}"):
+        open_zero_checkpoint(src)

@@ -13,11 +13,12 @@ import hashlib
 import mmap
 import os
 import threading
-from typing import IO
-
-import torch
+from typing import IO, TYPE_CHECKING
 
 from stagesafe.handoff import codec
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["CHUNK", "read_hashed", "map_file", "remember", "known", "tensors_in"]
 
@@ -62,6 +63,8 @@ def known(path: str, sha256: str, *, f: IO[bytes] | None = None) -> bool:
 def read_hashed(f: IO[bytes], limit: int) -> tuple[torch.Tensor, str]:
     """At most ``limit + 1`` bytes of the open file ``f`` (one more than expected shows a file that grew), read
     once into one buffer and hashed chunk by chunk as they arrive, while still in cache."""
+    import torch
+
     buffer = torch.empty(limit + 1, dtype=torch.uint8)
     view = memoryview(buffer.numpy())
     digest = hashlib.sha256()
@@ -78,6 +81,8 @@ def read_hashed(f: IO[bytes], limit: int) -> tuple[torch.Tensor, str]:
 def map_file(f: IO[bytes], size: int) -> torch.Tensor:
     """The first ``size`` bytes of the open local file ``f`` mapped copy-on-write, read lazily where touched
     (what ``load_file`` does)."""
+    import torch
+
     if not size:
         return torch.empty(0, dtype=torch.uint8)
     mapped = mmap.mmap(f.fileno(), size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -87,6 +92,8 @@ def map_file(f: IO[bytes], size: int) -> torch.Tensor:
 def tensors_in(buffer: torch.Tensor, *, source: str) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file held in ``buffer`` (uint8), as views of it: no copy. The header is
     checked in full first (:func:`stagesafe.handoff.codec.parse_header`); ``source`` names the file in errors."""
+    import torch
+
     size = buffer.numel()
     prefix = buffer[:8].numpy().tobytes()
     length = codec.header_length(prefix, size, source=source)

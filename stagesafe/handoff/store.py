@@ -31,11 +31,10 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import IO, Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, TypeVar
 
 import fsspec
 import safetensors
-import torch
 
 
 from stagesafe.handoff import codec
@@ -70,6 +69,9 @@ from stagesafe.errors import (
     clip,
     shown,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "HandoffPlan",
@@ -126,12 +128,14 @@ class Pieces:
     one at a time as ``parts`` is iterated, which it is once), so that :func:`write_shard` writes them as they
     are instead of joining them into a new tensor first.
 
-    ``done(piece)`` is called once a piece's bytes are in the file (a reader can give its pages back)."""
+    ``done(piece)`` is called once a piece's bytes are in the file (a reader can give its pages back). A piece
+    may be the bytes of its values instead (``bytes``, ``bytearray``, ``memoryview``), with ``dtype`` a name
+    (``"float32"``): a reader of files writes them without torch."""
 
-    dtype: torch.dtype
+    dtype: torch.dtype | str
     shape: tuple[int, ...]
-    parts: Iterable[torch.Tensor]
-    done: Callable[[torch.Tensor], None] | None = None
+    parts: Iterable[torch.Tensor | bytes | bytearray | memoryview]
+    done: Callable[[Any], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -568,6 +572,8 @@ def load_state_dict(
     fs, root = resolve(uri, storage_options)
     workers = _check_workers(workers, fs)
     retry = _check_retry(retry)
+    import torch
+
     device = torch.device(device)
     if not isinstance(verify, bool):
         raise InvalidArgumentError(f"verify={verify!r} must be True or False")
@@ -771,6 +777,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def _check_entry(name: Any, tensor: Any) -> None:
+    import torch
+
     codec.check_name(name)
     where = f"state_dict[{name!r}]"
     if not isinstance(tensor, torch.Tensor):
@@ -808,6 +816,8 @@ def _view_identity(tensor: torch.Tensor) -> tuple | None:
 
 
 def _nbytes(spec: Mapping[str, Any]) -> int:
+    import torch
+
     return math.prod(spec["shape"]) * getattr(torch, spec["dtype"]).itemsize
 
 
@@ -828,13 +838,24 @@ def _safetensors_chunks(
                 f"{spec['dtype']}{list(spec['shape'])}; the state dict changed while it was being written"
             )
         for part in parts:
-            if part.numel():
-                data = memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy())
+            data = _piece_bytes(part)
+            if data is not None:
                 for start in range(0, len(data), _WRITE_CHUNK):  # hashing one piece overlaps writing another
                     yield data[start : start + _WRITE_CHUNK]
                 if done is not None:
                     done(part)
         del value, parts
+
+
+def _piece_bytes(part: torch.Tensor | bytes | bytearray | memoryview) -> memoryview | None:
+    """The bytes of a non-empty piece: bytes as they are, a tensor's values (torch is loaded if it is one)."""
+    if isinstance(part, (bytes, bytearray, memoryview)):
+        return memoryview(part).cast("B") if len(part) else None
+    if not part.numel():
+        return None
+    import torch
+
+    return memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -861,7 +882,7 @@ def _versions() -> dict[str, str | None]:
 
     versions = {
         "python": platform.python_version(),
-        "torch": torch.__version__,
+        "torch": sys.modules["torch"].__version__ if "torch" in sys.modules else dist("torch"),  # not imported for it
         "safetensors": safetensors.__version__,
         "fsspec": fsspec.__version__,
         "stagesafe": dist("stagesafe") or getattr(sys.modules.get("stagesafe"), "__version__", None),
@@ -1162,6 +1183,8 @@ def _read_shard(
     rec = manifest["shards"][file_name]
     source = f"{url!r}: shard {file_name!r}"
 
+    import torch
+
     def read() -> tuple[torch.Tensor, str | None]:
         with open_in(fs, root, file_name, error=HandoffCorruptError, what=source) as f:
             _check_bytes(url, file_name, rec, size_of(f), None)
@@ -1211,6 +1234,8 @@ class HandoffReader(Mapping):
         stored = self.manifest["aliases"].get(name, name)
         file_name = self.manifest["weight_map"][stored]
         if self._cached[0] != file_name:
+            import torch
+
             self._cached = (None, {})  # drop the previous shard before reading the next
             try:
                 tensors = _read_shard(

@@ -1,2 +1,3 @@
 """DeepSpeed: a live engine's internals (:mod:`.engine`, the one file that touches them) and ZeRO checkpoint
-folders on disk (:mod:`.checkpoint`), read without running pickled code (:mod:`.safe_pickle`)."""
+folders on disk (:mod:`.checkpoint`), whose pickles are interpreted without running anything they name and
+without torch (:mod:`.pickle_reader`, :mod:`.pickle_globals`)."""

@@ -6,14 +6,17 @@ names ``checkpoint``). The tag folder holds, per data-parallel rank, ``*_optim_s
 of the fp32 master weights, next to the Adam moments) and ``*_model_states.pt`` (shapes, buffers, frozen
 parameters). The tag folder itself may be passed too.
 
-:func:`open_zero_checkpoint` reads only the pickles' structure (:mod:`stagesafe.zero.rank_file`: the safe
-unpickler on the meta device, nothing mapped), so no tensor data is read until :meth:`ZeroCheckpoint.read`.
+:func:`open_zero_checkpoint` reads only the pickles' structure (:mod:`stagesafe.zero.rank_file`: an interpreter
+of the opcodes DeepSpeed's files use, which runs nothing they name, and no mapping), so no tensor data is read
+until :meth:`ZeroCheckpoint.pieces` or :meth:`ZeroCheckpoint.read`.
 Every count and size the files hold is checked against the files before anything is allocated: the world size
 against the rank files present, each tensor against the bytes its file really holds, each name and shape
 against what a state dict can hold. Each read builds one full tensor from the ranks' partitions, exactly as
 DeepSpeed's ``utils/zero_to_fp32.py`` does (stage 1/2: the rank partitions of a param group, concatenated;
 stage 3: each parameter's slice of every rank, concatenated and unpadded), reading the bytes with ``pread``, so
-memory stays bounded by the largest tensor and a file truncated meanwhile is an error, not a crash.
+memory stays bounded by the largest tensor and a file truncated meanwhile is an error, not a crash. Describing
+and :meth:`ZeroCheckpoint.pieces` need no torch (dtypes are names, values bytes); :meth:`ZeroCheckpoint.read`,
+which returns a tensor, and the client state import it.
 
 Differences from ``zero_to_fp32``: frozen parameters of stage-1 checkpoints (which DeepSpeed does not list in
 ``frozen_param_shapes``) are read from the saved module, so they are not lost; tied names are reported as
@@ -31,16 +34,27 @@ import tempfile
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from typing_extensions import Self
 
 from stagesafe.errors import CheckpointFormatError, StageSafeError, clip, shown
 from stagesafe.handoff.fs import basename, is_local, join, resolve, url_of
 from stagesafe.handoff.safe_files import read_in
+from stagesafe.zero.pickle_globals import (
+    FLOATING,
+    ITEMSIZE,
+    OpaqueRecord,
+    TensorRecord,
+    TorchDevice,
+    TorchDType,
+    TorchSize,
+)
 from stagesafe.zero.rank_file import RankFile
-from stagesafe.zero.safe_pickle import OpaqueRecord
+from stagesafe.zero.widen import to_float32
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["TensorSpec", "ZeroCheckpoint", "open_zero_checkpoint"]
 
@@ -88,7 +102,7 @@ class TensorSpec:
     """A tensor of the checkpoint as :meth:`ZeroCheckpoint.read` returns it, described without reading it."""
 
     name: str
-    dtype: torch.dtype
+    dtype: str  # as torch names it, without "torch.": "float32", "bfloat16", "int64", ...
     shape: tuple[int, ...]
     kind: str  # "buffer", "frozen" (not trained) or "param" (fp32 master weight)
 
@@ -98,7 +112,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        return self.numel * self.dtype.itemsize
+        return self.numel * ITEMSIZE[self.dtype]
 
 
 _CHUNK = 16 * 1024 * 1024  # pieces of a tensor are read from the rank files in runs of at most this many bytes
@@ -112,7 +126,7 @@ class _Source:
     """Where a tensor's values are: ``pieces`` is a list of (rank file, its flat tensor, start, length) in output
     order; every tensor was checked against its file."""
 
-    pieces: tuple[tuple[RankFile, torch.Tensor, int, int], ...]
+    pieces: tuple[tuple[RankFile, TensorRecord, int, int], ...]
 
 
 class ZeroCheckpoint:
@@ -170,30 +184,29 @@ class ZeroCheckpoint:
 
     # -- reading ------------------------------------------------------------------------------------------------
     def read(self, name: str) -> torch.Tensor:
-        """The full tensor ``name`` (a stored name, not an alias), newly allocated."""
+        """The full tensor ``name`` (a stored name, not an alias), newly allocated (imports torch)."""
+        import torch
+
         spec = self.tensors[name]
-        flat = torch.empty(spec.numel, dtype=spec.dtype)
+        flat = torch.empty(spec.numel, dtype=getattr(torch, spec.dtype))
+        out = memoryview(flat.view(torch.uint8).numpy())
         pos = 0
-        for file, tensor, start, length in self._sources[name].pieces:
-            target = flat.narrow(0, pos, length)
-            if tensor.dtype == spec.dtype:
-                file.read_into(tensor, start, target)
-            else:  # a bf16/fp16 buffer read as fp32
-                piece = torch.empty(length, dtype=tensor.dtype)
-                file.read_into(tensor, start, piece)
-                target.copy_(piece)
-            pos += length
+        for piece in self._sources[name].pieces:
+            file, tensor, start, length = piece
+            if tensor.dtype == spec.dtype:  # straight into the tensor's memory
+                file.read_into(tensor, start, out[pos : pos + length * tensor.itemsize])
+                pos += length * tensor.itemsize
+                continue
+            for run in _read_in_runs((piece,), spec.dtype):  # a 16-bit buffer read as fp32
+                out[pos : pos + len(run)] = run
+                pos += len(run)
         return flat.view(spec.shape)
 
-    def pieces(self, name: str) -> Iterable[torch.Tensor] | None:
-        """The tensor ``name``'s flat values in order, as consecutive pieces of at most 16 MiB, each read from
-        the rank files when the iteration reaches it (iterate once), to be written without joining them into
-        one tensor; ``None`` where a piece needs a cast (a 16-bit buffer read as fp32): use :meth:`read` then."""
-        spec = self.tensors[name]
-        pieces = self._sources[name].pieces
-        if any(tensor.dtype != spec.dtype for _, tensor, _, _ in pieces):
-            return None
-        return _read_in_runs(pieces)
+    def pieces(self, name: str) -> Iterator[memoryview]:
+        """The tensor ``name``'s flat values in order, as the bytes of consecutive pieces of at most 16 MiB, each
+        read from the rank files when the iteration reaches it (iterate once), to be written without joining them
+        into one tensor. Needs no torch (a 16-bit buffer is widened to fp32 by :mod:`stagesafe.zero.widen`)."""
+        return _read_in_runs(self._sources[name].pieces, self.tensors[name].dtype)
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for the stored tensors (default: all, in order), one at a time."""
@@ -555,7 +568,7 @@ def _build(
             f"{'3' if files.zero3_model else '1/2'}; files of two runs are mixed, save into an empty folder"
         )
     groups_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    flat: list[list[tuple[RankFile, torch.Tensor]]] = []
+    flat: list[list[tuple[RankFile, TensorRecord]]] = []
     for rank in range(world_size):
         if rank == 0 and min(files.optim) == 0:
             file, sd = first_file, first
@@ -564,7 +577,7 @@ def _build(
         rank_check = _Structure(file)
         osd = rank_check.mapping(sd.get("optimizer_state_dict", {}), "optimizer_state_dict")
         groups = rank_check.sequence(osd.get(groups_key), f"{groups_key!r}")
-        flat.append([(file, file.check(t, f"{groups_key}[{i}]").view(-1)) for i, t in enumerate(groups)])
+        flat.append([(file, file.check(t, f"{groups_key}[{i}]").flat()) for i, t in enumerate(groups)])
         del sd, osd  # the Adam moments and the rest: never read, dropped with the dict
     paddings = osd0.get("param_alignment_paddings")
     del first, osd0
@@ -591,7 +604,7 @@ def _build(
     specs: dict[str, TensorSpec] = {}
     sources: dict[str, _Source] = {}
 
-    def add(name: Any, dtype: torch.dtype, shape: Any, kind: str, pieces: list) -> None:
+    def add(name: Any, dtype: str, shape: Any, kind: str, pieces: list) -> None:
         name = check.name(name, f"a {kind} tensor")
         if name in specs:
             raise CheckpointFormatError(
@@ -611,10 +624,10 @@ def _build(
     buffer_names = {n for n in check.sequence(list(model0["buffer_names"]), "buffer_names") if isinstance(n, str)}
     module = check.mapping(model0["module"], "module")
     for name, value in module.items():
-        if name in buffer_names and isinstance(value, torch.Tensor):
+        if name in buffer_names and isinstance(value, TensorRecord):
             value = model0_file.check(value, f"buffer {shown(name, 80)}")
-            dtype = torch.float32 if value.is_floating_point() else value.dtype
-            add(name, dtype, value.shape, "buffer", [(model0_file, value.view(-1), 0, value.numel())])
+            dtype = "float32" if value.dtype in FLOATING else value.dtype
+            add(name, dtype, value.shape, "buffer", [(model0_file, value.flat(), 0, value.numel)])
 
     param_shapes = model0["param_shapes"]
     if isinstance(param_shapes, Mapping):
@@ -639,10 +652,10 @@ def _build(
                             raise CheckpointFormatError(
                                 f"{tag_url!r}: a rank's model states lack the frozen parameter {shown(name)}"
                             )
-                        frags.append((file, file.check(fragments[name], f"frozen {shown(name, 80)}").view(-1)))
+                        frags.append((file, file.check(fragments[name], f"frozen {shown(name, 80)}").flat()))
                     pieces, left = [], numel
                     for file, frag in frags:
-                        take = min(frag.numel(), left)
+                        take = min(frag.numel, left)
                         pieces.append((file, frag, 0, take))
                         left -= take
                     add(name, frags[0][1].dtype, shape, "frozen", pieces)
@@ -652,8 +665,8 @@ def _build(
                         raise CheckpointFormatError(
                             f"{tag_url!r}: the model states lack the frozen parameter {shown(name)}"
                         )
-                    frag = model0_file.check(fragments[name], f"frozen {shown(name, 80)}").view(-1)
-                    add(name, frag.dtype, shape, "frozen", [(model0_file, frag, 0, frag.numel())])
+                    frag = model0_file.check(fragments[name], f"frozen {shown(name, 80)}").flat()
+                    add(name, frag.dtype, shape, "frozen", [(model0_file, frag, 0, frag.numel)])
         elif stage < 3 and frozen_shapes is None:
             # Stage 1 does not list frozen parameters; the saved module holds them whole, in the training dtype.
             for name, value in module.items():
@@ -661,11 +674,11 @@ def _build(
                     name not in buffer_names
                     and name not in trained
                     and name not in shared
-                    and isinstance(value, torch.Tensor)
-                    and value.numel() > 0
+                    and isinstance(value, TensorRecord)
+                    and value.numel > 0
                 ):
                     value = model0_file.check(value, f"frozen {shown(name, 80)}")
-                    add(name, value.dtype, value.shape, "frozen", [(model0_file, value.view(-1), 0, value.numel())])
+                    add(name, value.dtype, value.shape, "frozen", [(model0_file, value.flat(), 0, value.numel)])
 
     # Trained parameters: the fp32 master weights.
     if stage == 3:
@@ -709,15 +722,15 @@ def _stage(check: _Structure, osd: Mapping[str, Any], sd: Mapping[str, Any]) -> 
 
 
 def _ranges(
-    parts: Sequence[tuple[RankFile, torch.Tensor]], ends: Sequence[int], start: int, length: int
-) -> list[tuple[RankFile, torch.Tensor, int, int]]:
+    parts: Sequence[tuple[RankFile, TensorRecord]], ends: Sequence[int], start: int, length: int
+) -> list[tuple[RankFile, TensorRecord, int, int]]:
     """Pieces of the virtual concatenation of the 1-D tensors ``parts``, whose cumulative ends are ``ends``,
     covering ``[start, start + length)``; found by bisection, so many parts cost no more than a few."""
     pieces = []
     i = bisect.bisect_right(ends, start)
     while length > 0 and i < len(parts):
         file, tensor = parts[i]
-        begin = ends[i] - tensor.numel()
+        begin = ends[i] - tensor.numel
         take = min(start + length, ends[i]) - start
         if take > 0:
             pieces.append((file, tensor, start - begin, take))
@@ -727,10 +740,10 @@ def _ranges(
     return pieces
 
 
-def _ends(parts: Sequence[tuple[RankFile, torch.Tensor]]) -> list[int]:
+def _ends(parts: Sequence[tuple[RankFile, TensorRecord]]) -> list[int]:
     ends, total = [], 0
     for _, tensor in parts:
-        total += tensor.numel()
+        total += tensor.numel
         ends.append(total)
     return ends
 
@@ -780,7 +793,7 @@ def _zero3_params(tag_url: str, check: _Structure, flat: list[list], param_shape
     totals = [e[-1] if e else 0 for e in ends]
     if len(set(totals)) != 1:
         raise CheckpointFormatError(f"{tag_url!r}: the ranks hold partitions of different sizes {shown(totals, 200)}")
-    dtype = flat[0][0][1].dtype if flat[0] else torch.float32
+    dtype = flat[0][0][1].dtype if flat[0] else "float32"
     offset = 0
     for shapes in param_shapes:
         for name, shape in shapes.items():
@@ -804,31 +817,53 @@ def _zero3_params(tag_url: str, check: _Structure, flat: list[list], param_shape
         )
 
 
-def _read_in_runs(pieces: Sequence[tuple[RankFile, torch.Tensor, int, int]]) -> Iterator[torch.Tensor]:
-    """The pieces' elements, in order, read from their files in runs of at most ``_CHUNK`` bytes."""
+def _read_in_runs(pieces: Sequence[tuple[RankFile, TensorRecord, int, int]], dtype: str) -> Iterator[memoryview]:
+    """The pieces' elements, in order, as the bytes of ``dtype`` values, read from their files in runs of at most
+    ``_CHUNK`` bytes; a piece of a 16-bit float buffer is widened to ``dtype`` float32."""
     for file, tensor, start, length in pieces:
-        step = max(1, _CHUNK // tensor.element_size())
+        step = max(1, _CHUNK // max(tensor.itemsize, ITEMSIZE[dtype]))
         for at in range(start, start + length, step):
-            run = torch.empty(min(step, start + length - at), dtype=tensor.dtype)
+            run = memoryview(bytearray(min(step, start + length - at) * tensor.itemsize))
             file.read_into(tensor, at, run)
-            yield run
+            yield run if tensor.dtype == dtype else to_float32(run, tensor.dtype)
 
 
-def _materialize(file: RankFile, value: Any, depth: int = 0) -> Any:
-    """``value`` (client state loaded on the meta device) with every tensor read from ``file``."""
-    if isinstance(value, torch.Tensor):
-        return file.materialize(file.check(value, "a tensor of the client state", contiguous=False))
-    if depth > 64:
+def _materialize(file: RankFile, value: Any, done: dict[int, Any] | None = None, depth: int = 0) -> Any:
+    """``value`` (client state as the pickle reader built it) as ``torch.load`` gives it (imports torch): every
+    tensor read from ``file``, sizes, dtypes and devices as torch's. A value the pickle shares (its memo) is
+    converted once and stays shared, so a structure that reuses one list at every level costs its size, not
+    2 ** depth."""
+    import torch
+
+    done = {} if done is None else done
+    if id(value) in done:
+        return done[id(value)]
+    if isinstance(value, TensorRecord):
+        out: Any = file.materialize(file.check(value, "a tensor of the client state", contiguous=False))
+    elif isinstance(value, TorchSize):
+        out = torch.Size(value)
+    elif isinstance(value, TorchDType):
+        out = getattr(torch, value.name)
+    elif isinstance(value, TorchDevice):
+        try:
+            out = torch.device(value.type, value.index)
+        except RuntimeError:
+            raise CheckpointFormatError(f"{file.display}: the client state holds {shown(value)}, no device torch knows")
+    elif not isinstance(value, (dict, list, tuple, OpaqueRecord)):
+        return value
+    elif depth > 64:
         raise CheckpointFormatError(f"{file.display}: the client state is nested more than 64 levels deep")
-    if isinstance(value, dict):
-        out = type(value)() if type(value) in (dict, OrderedDict) else {}
+    elif isinstance(value, dict):
+        out = done[id(value)] = type(value)() if type(value) in (dict, OrderedDict) else {}
         for key, item in value.items():
-            out[key] = _materialize(file, item, depth + 1)
-        return out
-    if isinstance(value, list):
-        return [_materialize(file, item, depth + 1) for item in value]
-    if type(value) is tuple:
-        return tuple(_materialize(file, item, depth + 1) for item in value)
-    if isinstance(value, OpaqueRecord):
-        value.__dict__.update({k: _materialize(file, v, depth + 1) for k, v in value.__dict__.items()})
-    return value
+            out[key] = _materialize(file, item, done, depth + 1)
+    elif isinstance(value, list):
+        out = done[id(value)] = []
+        out.extend(_materialize(file, item, done, depth + 1) for item in value)
+    elif isinstance(value, OpaqueRecord):
+        done[id(value)] = out = value
+        value.__dict__.update({k: _materialize(file, v, done, depth + 1) for k, v in value.__dict__.items()})
+    else:
+        out = tuple(_materialize(file, item, done, depth + 1) for item in value)
+    done[id(value)] = out
+    return out

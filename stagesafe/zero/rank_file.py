@@ -1,14 +1,16 @@
-"""One DeepSpeed rank file, read safely: its structure on the meta device, the bytes of its tensors with ``pread``.
+"""One DeepSpeed rank file, read safely: its pickle by :mod:`stagesafe.zero.pickle_reader`, the bytes of its
+tensors with ``pread``, no torch needed.
 
-A rank file holds far more than the weights (the Adam moments take twice their size), so it is not read whole.
-It is not memory-mapped either: a trainer that saves the same tag again truncates the file in place, and
-touching a mapped page past its new end kills the reader with SIGBUS. Instead the file is opened once (a
-regular file inside its folder), its pickle is loaded by the safe unpickler on the meta device (no tensor data
-read, nothing allocated for it), and every tensor that is to be read is checked against the file itself: its
-storage must be one stored record of the zip archive, within the file's real size, and the tensor a run of that
-storage (a stride-0 view that repeats 4 bytes 16 million times is refused). Only then are its bytes read, with
-``pread``, into memory the caller allocated for exactly them; a file that shrank meanwhile gives a short read
-and a clear error.
+A rank file is the zip archive ``torch.save`` writes: ``<name>/data.pkl`` (the structure) and one stored record
+``<name>/data/<key>`` per tensor storage. It holds far more than the weights (the Adam moments take twice their
+size), so it is not read whole. It is not memory-mapped either: a trainer that saves the same tag again
+truncates the file in place, and touching a mapped page past its new end kills the reader with SIGBUS. Instead
+the file is opened once (a regular file inside its folder), its pickle is interpreted without running anything
+it names (tensors come out as :class:`~stagesafe.zero.pickle_globals.TensorRecord`, nothing read), and every
+tensor that is to be read is checked against the file itself: its storage must be the stored record of its key,
+within the file's real size, and the tensor a run of that storage (a stride-0 view that repeats 4 bytes 16
+million times is refused). Only then are its bytes read, with ``pread``, into memory the caller allocated for
+exactly them; a file that shrank meanwhile gives a short read and a clear error.
 """
 
 from __future__ import annotations
@@ -17,13 +19,13 @@ import os
 import struct
 import sys
 import zipfile
+import zlib
 from typing import Any
-
-import torch
 
 from stagesafe.errors import CheckpointFormatError, clip, shown
 from stagesafe.handoff.safe_files import open_local
-from stagesafe.zero.safe_pickle import safe_load
+from stagesafe.zero.pickle_globals import TensorRecord
+from stagesafe.zero.pickle_reader import read_pickle
 
 __all__ = ["RankFile"]
 
@@ -33,8 +35,8 @@ _MAX_BYTEORDER = 16
 
 
 class RankFile:
-    """A rank file opened once. ``content`` is its unpickled structure, every tensor on the meta device;
-    :meth:`check` a tensor of it before :meth:`read_into` or :meth:`materialize` read its bytes."""
+    """A rank file opened once. ``content`` is its pickled structure, tensors as records; :meth:`check` a tensor
+    of it before :meth:`read_into` or :meth:`materialize` read its bytes."""
 
     def __init__(self, folder: str, name: str, *, display: str):
         self.display = display
@@ -47,11 +49,10 @@ class RankFile:
                     f"{display} is not a zip-format torch file (torch.save writes them since torch 1.6); it is "
                     "damaged, or not a DeepSpeed rank file: load and save it again with a recent torch"
                 )
-            self._records = self._stored_records()
-            self._materialized: dict[int | None, torch.Tensor] = {}  # storage offset -> its bytes, read once
+            pickled, self._storages = self._read_archive()
+            self._materialized: dict[str | None, Any] = {}  # storage key -> its bytes (a torch tensor), read once
             self._materialized_bytes = 0
-            self._file.seek(0)
-            self.content = safe_load(self._file, meta=True, display_name=display)
+            self.content = read_pickle(pickled, display=display)
         except BaseException:
             self._file.close()
             raise
@@ -59,68 +60,67 @@ class RankFile:
     def close(self) -> None:
         self._file.close()
 
-    def check(self, tensor: Any, what: str, *, contiguous: bool = True) -> torch.Tensor:
+    def check(self, tensor: Any, what: str, *, contiguous: bool = True) -> TensorRecord:
         """``tensor`` if its bytes lie in this file as ``torch.save`` lays them out, else a
         ``CheckpointFormatError`` naming ``what``. ``contiguous``: its elements are one run of bytes."""
-        if not isinstance(tensor, torch.Tensor):
+        if not isinstance(tensor, TensorRecord):
             raise self._bad(f"{what} is {shown(tensor, 80)}, not a tensor")
-        if tensor.layout != torch.strided or tensor.is_quantized or tensor.device.type != "meta":
-            raise self._bad(f"{what} is a {tensor.layout} {tensor.dtype} tensor, not one torch.save stores as bytes")
-        if tensor.numel() == 0:
+        if tensor.numel == 0:
             return tensor
         if contiguous and not tensor.is_contiguous():
             raise self._bad(
-                f"{what} is a view of shape {list(tensor.shape)[:8]} with strides {list(tensor.stride())[:8]}, not "
+                f"{what} is a view of shape {list(tensor.shape)[:8]} with strides {list(tensor.stride)[:8]}, not "
                 "one run of bytes (a stride 0 repeats the same bytes); DeepSpeed saves contiguous tensors"
             )
-        storage = tensor.untyped_storage()
-        start = getattr(storage, "_checkpoint_offset", None)
-        record = self._records.get(start) if type(start) is int else None
-        end = (tensor.storage_offset() + _span(tensor)) * tensor.element_size()
-        if record is None or storage.nbytes() > record or end > storage.nbytes():
+        storage = tensor.storage
+        record = self._storages.get(storage.key)
+        end = (tensor.offset + tensor.span()) * tensor.itemsize
+        if record is None or storage.nbytes > record[1] or end > storage.nbytes:
             raise self._bad(
-                f"{what} claims {end} bytes of a storage of {storage.nbytes()} that is not a record of the file "
+                f"{what} claims {end} bytes of a storage of {storage.nbytes} that is not a record of the file "
                 f"({self.size} bytes); the file was crafted or damaged"
             )
         return tensor
 
-    def read_into(self, tensor: torch.Tensor, start: int, out: torch.Tensor) -> None:
-        """Elements ``[start, start + out.numel())`` of the checked contiguous ``tensor`` into ``out``, a contiguous
-        tensor of its dtype."""
-        if start < 0 or start + out.numel() > tensor.numel() or out.dtype != tensor.dtype:  # pragma: no cover
-            raise AssertionError(f"read of {out.numel()} {out.dtype} at {start} of {tensor.numel()} {tensor.dtype}")
-        itemsize = tensor.element_size()
-        offset = tensor.untyped_storage()._checkpoint_offset + (tensor.storage_offset() + start) * itemsize
-        self._pread(out, offset)
+    def read_into(self, tensor: TensorRecord, start: int, out: memoryview) -> None:
+        """Elements ``[start, start + n)`` of the checked contiguous ``tensor`` into ``out``, a writable buffer of
+        exactly ``n`` elements' bytes."""
+        itemsize = tensor.itemsize
+        if start < 0 or len(out) % itemsize or start + len(out) // itemsize > tensor.numel:  # pragma: no cover
+            raise AssertionError(f"read of {len(out)} bytes at element {start} of {tensor!r}")
+        self._pread(out, self._storages[tensor.storage.key][0] + (tensor.offset + start) * itemsize)
 
-    def materialize(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A checked tensor of any strides as ``torch.load`` gives it: a view of its whole storage, read once and
-        shared by every tensor of this file that views it. All the storages read this way together may not
-        hold more bytes than the file does."""
-        storage = tensor.untyped_storage()
-        start = storage._checkpoint_offset if tensor.numel() else None
-        if start not in self._materialized:
-            nbytes = storage.nbytes() if start is not None else 0
+    def materialize(self, tensor: TensorRecord) -> Any:
+        """A checked tensor of any strides as ``torch.load`` gives it (imports torch): a view of its whole storage,
+        read once and shared by every tensor of this file that views it. All the storages read this way together
+        may not hold more bytes than the file does."""
+        import torch
+
+        dtype = getattr(torch, tensor.dtype)
+        if tensor.numel == 0:
+            return torch.empty(tensor.shape, dtype=dtype)
+        key = tensor.storage.key
+        if key not in self._materialized:
+            nbytes = tensor.storage.nbytes
             if self._materialized_bytes + nbytes > self.size:
                 raise self._bad(f"its tensors claim more bytes than the file holds ({self.size})")
             buffer = torch.empty(nbytes, dtype=torch.uint8)
-            if nbytes:
-                self._pread(buffer, start)
-            self._materialized[start] = buffer
+            self._pread(memoryview(buffer.numpy()), self._storages[key][0])
+            self._materialized[key] = buffer
             self._materialized_bytes += nbytes
-        out = torch.empty(0, dtype=tensor.dtype)
-        return out.set_(self._materialized[start].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+        out = torch.empty(0, dtype=dtype)
+        return out.set_(self._materialized[key].untyped_storage(), tensor.offset, tensor.shape, tensor.stride)
 
     # -- internals ----------------------------------------------------------------------------------------------
 
     def _bad(self, what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{self.display}: {what}")
 
-    def _pread(self, out: torch.Tensor, offset: int) -> None:
-        view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+    def _pread(self, out: memoryview, offset: int) -> None:
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         done = 0
-        while done < len(view):
-            n = os.preadv(self._fd, [view[done:]], offset + done)
+        while done < len(out):
+            n = os.preadv(self._fd, [out[done:]], offset + done)
             if n <= 0:
                 raise CheckpointFormatError(
                     f"{self.display} ends at byte {offset + done} (it is {os.fstat(self._fd).st_size} bytes now, "
@@ -129,13 +129,16 @@ class RankFile:
                 )
             done += n
 
-    def _stored_records(self) -> dict[int, int]:
-        """``{file offset of a stored (uncompressed) record's bytes: its size}``, from the zip directory and each
-        record's own header, keeping those that lie within the file; and the byte order torch saved with."""
+    def _read_archive(self) -> tuple[bytes, dict[str, tuple[int, int]]]:
+        """The pickle ``<name>/data.pkl`` and ``{storage key: (file offset of its record's bytes, size)}``, from the
+        zip directory and each record's own header, keeping the stored (uncompressed) records that lie within the
+        file, as ``torch.save`` writes them; and a check of the byte order torch saved with. The archive's name
+        is its first record's folder, as torch's reader takes it."""
         try:
             with zipfile.ZipFile(self._file) as archive:
                 infos = archive.infolist()
-                order = [i for i in infos if i.filename.rpartition("/")[2] == "byteorder"]
+                prefix = infos[0].filename.partition("/")[0] + "/" if infos else ""
+                order = [i for i in infos if i.filename == f"{prefix}byteorder"]
                 byteorder = archive.read(order[0]) if order and order[0].file_size <= _MAX_BYTEORDER else b"little"
         except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on a crafted archive
             raise CheckpointFormatError(
@@ -148,9 +151,9 @@ class RankFile:
                 f"it was saved in {shown(byteorder.decode('ascii', 'replace'), 40)} byte order, this machine is "
                 f"{sys.byteorder}; consolidate it on a machine of its byte order"
             )
-        records: dict[int, int] = {}
+        records: dict[str, tuple[int, int, int]] = {}  # name in the archive -> (start, size, CRC)
         for info in infos:
-            if info.compress_type != zipfile.ZIP_STORED:
+            if info.compress_type != zipfile.ZIP_STORED or not info.filename.startswith(prefix):
                 continue
             local = os.pread(self._fd, _LOCAL_HEADER.size, info.header_offset)
             if len(local) < _LOCAL_HEADER.size:
@@ -158,10 +161,16 @@ class RankFile:
             signature, name_length, extra_length = _LOCAL_HEADER.unpack(local)
             start = info.header_offset + _LOCAL_HEADER.size + name_length + extra_length
             if signature == _ZIP_MAGIC and start + info.file_size <= self.size:
-                records[start] = info.file_size
-        return records
-
-
-def _span(tensor: torch.Tensor) -> int:
-    """Elements of its storage that a non-empty tensor reaches, from its first: 1 + the sum of (size - 1) * stride."""
-    return 1 + sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride()))
+                records.setdefault(info.filename[len(prefix) :], (start, info.file_size, info.CRC))
+        pickled = records.get("data.pkl")
+        if pickled is None:
+            raise self._bad(
+                f"it holds no stored record {prefix}data.pkl within its {self.size} bytes, where torch.save writes "
+                "the pickle; it is damaged, truncated or not a torch checkpoint file"
+            )
+        data = bytearray(pickled[1])
+        self._pread(memoryview(data), pickled[0])
+        if zlib.crc32(data) != pickled[2]:
+            raise self._bad(f"its pickle {prefix}data.pkl fails its CRC check; the file is damaged")
+        storages = {name[5:]: (start, size) for name, (start, size, _) in records.items() if name.startswith("data/")}
+        return bytes(data), storages

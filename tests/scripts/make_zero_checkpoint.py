@@ -7,7 +7,9 @@ cost of starting DeepSpeed is paid once:
     OUT/<name>.ckpt/       Lightning layout (``trainer.save_checkpoint`` under DeepSpeedStrategy): ``latest`` +
                            ``checkpoint/``, with Lightning's client state beside the DeepSpeed keys
 
-A spec is ``name:stage=S,dtype=fp32|bf16[,layout=engine|lightning]``. The default model (``--model tiny``) has
+A spec is ``name:stage=S,dtype=fp32|bf16|fp16[,layout=engine|lightning]``. DeepSpeed's CPU accelerator says
+fp16 is unsupported where oneDNN lacks fp16 kernels; for ``dtype=fp16`` it is told otherwise, and torch's CPU
+fp16 ops run the steps (DynamicLossScaler, fp16 model states: what a GPU run saves). The default model (``--model tiny``) has
 a tied weight (head.weight is embed.weight), a frozen layer, a float and an integer buffer, two optimizer param
 groups, and parameter sizes not divisible by the world size so partition padding is exercised. ``--model big``
 (with ``--hidden``/``--layers``) is the benchmark's model. Rank 0 prints one line ``DONE <json>`` at the end.
@@ -127,8 +129,13 @@ def build_one(out: str, name: str, opts: dict[str, str], args: argparse.Namespac
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if dtype == "fp16":
+        from deepspeed.accelerator import get_accelerator
+
+        get_accelerator().is_fp16_supported = lambda: True  # see the module docstring
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8}
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-    in_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    in_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
     for step in range(args.steps):
         x = batch if batch.dtype == torch.int64 else batch.to(in_dtype)
         loss = engine(x).float().pow(2).mean() + step
@@ -147,7 +154,7 @@ def build_one(out: str, name: str, opts: dict[str, str], args: argparse.Namespac
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out")
-    parser.add_argument("specs", nargs="+", help="name:stage=S,dtype=fp32|bf16[,layout=engine|lightning]")
+    parser.add_argument("specs", nargs="+", help="name:stage=S,dtype=fp32|bf16|fp16[,layout=engine|lightning]")
     parser.add_argument("--model", choices=("tiny", "big"), default="tiny")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)

@@ -1,0 +1,473 @@
+"""DeepSpeed's pickles, read by an interpreter of the few opcodes ``torch.save`` writes: nothing in a file runs.
+
+``torch.save`` writes a zip archive: ``<name>/data.pkl``, a pickle (protocol 2) of the saved object's structure,
+and one record ``<name>/data/<key>`` of raw bytes per tensor storage. Every unpickler, torch's weights-only one
+included, turns the globals a pickle names into real callables and calls them. This one never imports or calls
+anything a file names, and needs no torch: it interprets the binary opcodes of protocols 2 to 5 that build data
+(numbers, strings, containers, the memo, marks); a ``GLOBAL`` is looked up in the fixed table of
+:mod:`stagesafe.zero.pickle_globals`, and ``REDUCE``, ``NEWOBJ`` and ``BUILD`` apply that table's rules to
+plain values. A tensor comes out as a :class:`~stagesafe.zero.pickle_globals.TensorRecord`, which says where its
+bytes are; nothing is read here (:mod:`stagesafe.zero.rank_file` checks it against the archive and reads it).
+
+Refused with :class:`~stagesafe.errors.UnsafeCheckpointError` (nothing was run, since nothing ever is): a global
+outside the table (every one the pickle names is listed), an opcode outside the subset (``INST``, ``OBJ``,
+``EXT1``, the text opcodes of protocol 0, out-of-band buffers). Refused with
+:class:`~stagesafe.errors.CheckpointFormatError`: malformed input (truncated, an empty stack, a memo slot never
+set, arguments a rule refuses, a dict key or set item that is not a plain value, an integer of more than 64
+bytes). The interpreter is a loop, never a recursion, and hashes only flat keys, so no input nests it out of
+its stack.
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import re
+import struct
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from stagesafe.errors import CheckpointFormatError, UnsafeCheckpointError, clip, shown
+from stagesafe.zero.pickle_globals import (
+    Malformed,
+    OpaqueRecord,
+    Refused,
+    Rule,
+    StorageRef,
+    StorageType,
+    attributes_of,
+    count,
+    find_global,
+    plain_key,
+)
+
+__all__ = ["read_pickle"]
+
+_MAX_NAME = 256  # characters of a global's module or name
+_MAX_LONG = 64  # bytes of an integer (LONG1, LONG4): DeepSpeed's are 8 at most; larger ones cost time to hash
+_PROTOCOL = 5
+_STORAGE_KEY = re.compile(r"[0-9]{1,20}")  # torch.save names storage records data/0, data/1, ...
+
+
+# -- the interpreter ---------------------------------------------------------------------------------------------------
+
+
+class _Outside(Exception):
+    """An opcode outside the subset: ``(code, position)``."""
+
+
+class _Stop(Exception):
+    pass
+
+
+class _Reader:
+    """The state of one pickle's interpretation, as in ``pickle._Unpickler``: a stack, marks saving the stacks
+    under them, the memo. Each opcode method reads its argument bytes and changes the state."""
+
+    def __init__(self, data: bytes):
+        self.data = memoryview(data)
+        self.pos = 0
+        self.at = 0  # where the opcode being interpreted starts
+        self.stack: list[Any] = []
+        self.metastack: list[list[Any]] = []
+        self.memo: dict[int, Any] = {}
+        self.proto = 0  # until a PROTO opcode says
+        self.storages: dict[str, StorageRef] = {}
+        self.refused: dict[str, None] = {}  # in the order named
+
+    def run(self) -> Any:
+        data, ops = self.data, _OPS
+        end = len(data)
+        try:
+            while True:
+                if self.pos >= end:
+                    raise Malformed("it ends before its STOP opcode (truncated?)")
+                self.at = self.pos
+                code = data[self.pos]
+                self.pos += 1
+                op = ops.get(code)
+                if op is None:
+                    raise _Outside(code, self.at)
+                op(self)
+        except _Stop:
+            return self.stack.pop()
+
+    # -- reading arguments
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise Malformed(f"an argument of {n} bytes runs past its end (truncated?)")
+        chunk = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return chunk
+
+    def unpack(self, fmt: struct.Struct) -> Any:
+        return fmt.unpack(self.take(fmt.size))[0]
+
+    def line(self) -> str:
+        end = bytes(self.data[self.pos : self.pos + _MAX_NAME + 1]).find(b"\n")
+        if end < 0:
+            raise Malformed(f"a GLOBAL name longer than {_MAX_NAME} characters, or cut off")
+        text = bytes(self.take(end + 1)[:-1])
+        return text.decode("utf-8")
+
+    # -- the stack
+    def push(self, value: Any) -> None:
+        self.stack.append(value)
+
+    def pop_mark(self) -> list[Any]:
+        if not self.metastack:
+            raise Malformed("an opcode takes the items since a MARK, and there is none")
+        items, self.stack = self.stack, self.metastack.pop()
+        return items
+
+    def top(self) -> Any:
+        if not self.stack:
+            raise Malformed("an opcode needs a value and the stack is empty")
+        return self.stack[-1]
+
+    def pop(self) -> Any:
+        value = self.top()
+        self.stack.pop()
+        return value
+
+    # -- opcodes: structure
+    def op_proto(self) -> None:
+        self.proto = self.unpack(_B)
+        if self.proto > _PROTOCOL:
+            raise Malformed(f"pickle protocol {self.proto}")
+
+    def op_frame(self) -> None:
+        self.take(8)  # a length hint for buffered reading: the data is all here
+
+    def op_stop(self) -> None:
+        self.top()
+        raise _Stop
+
+    def op_mark(self) -> None:
+        self.metastack.append(self.stack)
+        self.stack = []
+
+    def op_pop(self) -> None:
+        if self.stack:
+            self.stack.pop()
+        else:
+            self.pop_mark()
+
+    def op_pop_mark(self) -> None:
+        self.pop_mark()
+
+    def op_dup(self) -> None:
+        self.push(self.top())
+
+    # -- opcodes: scalars
+    def op_none(self) -> None:
+        self.push(None)
+
+    def op_true(self) -> None:
+        self.push(True)
+
+    def op_false(self) -> None:
+        self.push(False)
+
+    def op_binint(self) -> None:
+        self.push(self.unpack(_I4))
+
+    def op_binint1(self) -> None:
+        self.push(self.unpack(_B))
+
+    def op_binint2(self) -> None:
+        self.push(self.unpack(_U2))
+
+    def op_long1(self) -> None:
+        self.push(self.long(self.unpack(_B)))
+
+    def op_long4(self) -> None:
+        self.push(self.long(self.unpack(_I4)))
+
+    def long(self, n: int) -> int:
+        if not 0 <= n <= _MAX_LONG:
+            raise Malformed(f"an integer of {n} bytes (at most {_MAX_LONG} are read)")
+        return int.from_bytes(self.take(n), "little", signed=True)
+
+    def op_binfloat(self) -> None:
+        self.push(self.unpack(_F8))
+
+    def op_binunicode(self) -> None:
+        self.push(self.text(self.unpack(_U4)))
+
+    def op_short_binunicode(self) -> None:
+        self.push(self.text(self.unpack(_B)))
+
+    def op_binunicode8(self) -> None:
+        self.push(self.text(self.unpack(_U8)))
+
+    def text(self, n: int) -> str:
+        return str(self.take(n), "utf-8", "surrogatepass")  # as pickle reads them: a lone surrogate is kept
+
+    def op_binbytes(self) -> None:
+        self.push(bytes(self.take(self.unpack(_U4))))
+
+    def op_short_binbytes(self) -> None:
+        self.push(bytes(self.take(self.unpack(_B))))
+
+    def op_binbytes8(self) -> None:
+        self.push(bytes(self.take(self.unpack(_U8))))
+
+    def op_bytearray8(self) -> None:
+        self.push(bytearray(self.take(self.unpack(_U8))))
+
+    # -- opcodes: containers
+    def op_empty_tuple(self) -> None:
+        self.push(())
+
+    def op_tuple(self) -> None:
+        self.push(tuple(self.pop_mark()))
+
+    def op_tuple1(self) -> None:
+        self.push((self.pop(),))
+
+    def op_tuple2(self) -> None:
+        second = self.pop()
+        self.push((self.pop(), second))
+
+    def op_tuple3(self) -> None:
+        third, second = self.pop(), self.pop()
+        self.push((self.pop(), second, third))
+
+    def op_empty_list(self) -> None:
+        self.push([])
+
+    def op_append(self) -> None:
+        value = self.pop()
+        self.container(list).append(value)
+
+    def op_appends(self) -> None:
+        items = self.pop_mark()
+        self.container(list).extend(items)
+
+    def op_empty_dict(self) -> None:
+        self.push({})
+
+    def op_setitem(self) -> None:
+        value, name = self.pop(), self.pop()
+        self.container(dict)[plain_key(name)] = value
+
+    def op_setitems(self) -> None:
+        items = self.pop_mark()
+        if len(items) % 2:
+            raise Malformed("SETITEMS of an odd number of items")
+        target = self.container(dict)
+        for i in range(0, len(items), 2):
+            target[plain_key(items[i])] = items[i + 1]
+
+    def op_empty_set(self) -> None:
+        self.push(set())
+
+    def op_additems(self) -> None:
+        items = self.pop_mark()
+        self.container(set).update(plain_key(item) for item in items)
+
+    def op_frozenset(self) -> None:
+        self.push(frozenset(plain_key(item) for item in self.pop_mark()))
+
+    def container(self, kind: type) -> Any:
+        """The container on top of the stack, which items are added to: a ``kind`` (a dict may be ordered)."""
+        target = self.top()
+        if isinstance(target, Refused):
+            return _SINK
+        if type(target) is kind or (kind is dict and type(target) is OrderedDict):
+            return target
+        raise Malformed(f"an opcode adds items to {shown(target, 60)}, which is not a {kind.__name__}")
+
+    # -- opcodes: the memo
+    def op_binput(self) -> None:
+        self.memo[self.unpack(_B)] = self.top()
+
+    def op_long_binput(self) -> None:
+        self.memo[self.unpack(_U4)] = self.top()
+
+    def op_memoize(self) -> None:
+        self.memo[len(self.memo)] = self.top()
+
+    def op_binget(self) -> None:
+        self.get(self.unpack(_B))
+
+    def op_long_binget(self) -> None:
+        self.get(self.unpack(_U4))
+
+    def get(self, index: int) -> None:
+        if index not in self.memo:
+            raise Malformed(f"memo slot {index} is read but was never set")
+        self.push(self.memo[index])
+
+    # -- opcodes: globals and what is built from them
+    def op_global(self) -> None:
+        module = self.line()
+        self.push(self.lookup(module, self.line()))
+
+    def op_stack_global(self) -> None:
+        name, module = self.pop(), self.pop()
+        if type(name) is not str or type(module) is not str or len(name) > _MAX_NAME or len(module) > _MAX_NAME:
+            raise Malformed(f"STACK_GLOBAL of {shown(module, 60)}, {shown(name, 60)}")
+        self.push(self.lookup(module, name))
+
+    def lookup(self, module: str, name: str) -> Any:
+        if self.proto < 3:  # protocol 2 writes Python 2's names (__builtin__.set): read them as pickle does
+            if (module, name) in _compat_pickle.NAME_MAPPING:
+                module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+            else:
+                module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        found = find_global(f"{module}.{name}")
+        if isinstance(found, Refused):
+            self.refused[found.name] = None
+        return found
+
+    def op_reduce(self) -> None:
+        args = self.pop()
+        func = self.top()
+        self.stack[-1] = self.apply(func, args, "call")
+
+    def op_newobj(self) -> None:
+        args = self.pop()
+        self.push(self.apply(self.pop(), args, "new"))
+
+    def op_newobj_ex(self) -> None:
+        kwargs, args = self.pop(), self.pop()
+        if kwargs != {} and not isinstance(kwargs, Refused):
+            raise Malformed(f"NEWOBJ_EX with keyword arguments {shown(kwargs, 60)}")
+        self.push(self.apply(self.pop(), args, "new"))
+
+    def apply(self, func: Any, args: Any, how: str) -> Any:
+        if isinstance(func, Refused):
+            return func
+        if type(args) is not tuple:
+            raise Malformed(f"{shown(func, 60)} applied to {shown(args, 60)}, which is not a tuple")
+        build = getattr(func, how, None) if isinstance(func, Rule) else None
+        if build is None:
+            what = "called" if how == "call" else "instantiated"
+            raise Malformed(f"{shown(func, 60)} is {what}, which this reader does not do for it")
+        return build(args)
+
+    def op_build(self) -> None:
+        state = self.pop()
+        target = self.top()
+        if isinstance(target, Refused):
+            return
+        if isinstance(target, OpaqueRecord) or type(target) is OrderedDict:  # a state dict's _metadata, say
+            target.__dict__.update(attributes_of(state))
+        else:
+            raise Malformed(f"BUILD of {shown(target, 60)} with the state {shown(state, 60)}")
+
+    def op_binpersid(self) -> None:
+        self.push(self.storage(self.pop()))
+
+    def storage(self, pid: Any) -> StorageRef | Refused:
+        """``('storage', storage type, key, location, numel)``, as ``torch.save`` names a storage; one key names
+        one storage, of one type and size."""
+        if type(pid) is not tuple or len(pid) != 5 or pid[0] != "storage":
+            raise Malformed(f"the persistent id {shown(pid, 60)} is not a storage of torch.save's")
+        _, kind, name, location, numel = pid
+        if isinstance(kind, Refused):
+            return kind
+        if not isinstance(kind, StorageType) or type(name) is not str or not _STORAGE_KEY.fullmatch(name):
+            raise Malformed(f"the storage {shown(pid, 60)} is not of a known type and key")
+        if type(location) is not str or len(location) > 64:
+            raise Malformed(f"the storage location {shown(location, 60)}")
+        ref = StorageRef(name, kind.dtype, count(numel, "a storage's size"))
+        known = self.storages.setdefault(name, ref)
+        if known != ref:
+            raise Malformed(f"storage {name} is named as {known.numel} {known.dtype} and as {numel} {kind.dtype}")
+        return known
+
+
+class _Sink:
+    """Where items go that are added to a container built from a refused global: nowhere."""
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+    def update(self, values: Any) -> None:
+        for _ in values:
+            pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+_SINK = _Sink()
+
+
+_B, _U2, _I4, _U4, _U8, _F8 = (struct.Struct(f) for f in ("<B", "<H", "<i", "<I", "<Q", ">d"))
+_OPS: dict[int, Callable[[_Reader], None]] = {
+    ord(code): getattr(_Reader, f"op_{name}")
+    for code, name in {
+        b"\x80": "proto", b"\x95": "frame", b".": "stop", b"(": "mark", b"0": "pop", b"1": "pop_mark", b"2": "dup",
+        b"N": "none", b"\x88": "true", b"\x89": "false", b"J": "binint", b"K": "binint1", b"M": "binint2",
+        b"\x8a": "long1", b"\x8b": "long4", b"G": "binfloat", b"X": "binunicode", b"\x8c": "short_binunicode",
+        b"\x8d": "binunicode8", b"B": "binbytes", b"C": "short_binbytes", b"\x8e": "binbytes8",
+        b"\x96": "bytearray8", b")": "empty_tuple", b"t": "tuple", b"\x85": "tuple1", b"\x86": "tuple2",
+        b"\x87": "tuple3", b"]": "empty_list", b"a": "append", b"e": "appends", b"}": "empty_dict", b"s": "setitem",
+        b"u": "setitems", b"\x8f": "empty_set", b"\x90": "additems", b"\x91": "frozenset", b"q": "binput",
+        b"r": "long_binput", b"\x94": "memoize", b"h": "binget", b"j": "long_binget", b"c": "global",
+        b"\x93": "stack_global", b"R": "reduce", b"\x81": "newobj", b"\x92": "newobj_ex", b"b": "build",
+        b"Q": "binpersid",
+    }.items()
+}  # fmt: skip
+
+# Why an opcode outside the subset is refused (the others are text opcodes of protocols 0 and 1).
+_CALLS_CODE = {ord("i"): "INST", ord("o"): "OBJ", 0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", ord("P"): "PERSID"}
+
+
+def read_pickle(data: bytes, *, display: str) -> Any:
+    """The value the pickle ``data`` (a ``torch.save`` archive's ``data.pkl``) describes, tensors as
+    :class:`TensorRecord`. ``display`` names the file in errors. Raises
+    :class:`~stagesafe.errors.UnsafeCheckpointError` or :class:`~stagesafe.errors.CheckpointFormatError` as the
+    module says; runs nothing the pickle names."""
+    reader = _Reader(data)
+    try:
+        value = reader.run()
+    except _Outside as exc:
+        code, at = exc.args
+        raise UnsafeCheckpointError(_refusal(display, list(reader.refused), _opcode(code, at))) from None
+    except (Malformed, IndexError, KeyError, TypeError, ValueError, OverflowError, struct.error) as exc:
+        if reader.refused:  # whatever broke next, a refused global says more
+            raise UnsafeCheckpointError(_refusal(display, list(reader.refused))) from None
+        detail = clip(str(exc), 200) if isinstance(exc, Malformed) else f"{type(exc).__name__}: {clip(str(exc), 160)}"
+        raise CheckpointFormatError(
+            f"{display} cannot be read as a torch checkpoint file ({detail}, at byte {reader.at} of its pickle); "
+            "it is damaged, truncated or not a checkpoint DeepSpeed wrote: was it written or copied completely?"
+        ) from None
+    if reader.refused:
+        raise UnsafeCheckpointError(_refusal(display, list(reader.refused)))
+    return value
+
+
+def _opcode(code: int, at: int) -> str:
+    name = _CALLS_CODE.get(code)
+    if name is not None:
+        return f"the opcode {name} at byte {at}, which would call or look up code"
+    import pickletools  # the error path only: its table of opcodes takes a moment to build
+
+    names = {op.code.encode("latin1")[0]: op.name for op in pickletools.opcodes}
+    what = names.get(code, f"0x{code:02x}")
+    return f"the opcode {what} at byte {at}, which torch.save does not write"
+
+
+def _refusal(display: str, refused: list[str], opcode: str | None = None) -> str:
+    if refused:
+        listed = ", ".join(repr(clip(g, 100)) for g in refused[:8])
+        listed += f" and {len(refused) - 8} more" if len(refused) > 8 else ""
+        what = ("the global " if len(refused) == 1 else "the globals ") + listed
+        return (
+            f"refused to load {display}: it holds {what}, which is not on stagesafe's allow-list for DeepSpeed "
+            "checkpoint files; nothing from the file was executed. A file written by DeepSpeed or Lightning does not "
+            "need it: if you did not make this file yourself, do not trust it; if you did, report the global to "
+            "stagesafe"
+        )
+    return (
+        f"refused to load {display}: it holds {opcode}; nothing from the file was executed. A file written by "
+        "DeepSpeed or Lightning does not hold it: if you did not make this file yourself, do not trust it"
+    )
