@@ -275,7 +275,7 @@ def test_inspect_handoff_table_and_json(ckpts, tmp_path, capsys):
     code, out, _ = run(capsys, "inspect", str(dst))
     assert code == 0
     assert "embed.weight" in out and "float32" in out and "[37, 13]" in out and "-00001-of-" in out
-    assert "= embed.weight (tied)" in out and "sha256" in out and "tensors (+1 tied)" in out
+    assert "= embed.weight (tied)" in out and "xxh3-128-tree" in out and "tensors (+1 tied)" in out
     code, out, _ = run(capsys, "inspect", str(dst), "--json")
     info = json.loads(out)
     assert info["kind"] == "handoff"
