@@ -1,7 +1,8 @@
 """stagesafe: DeepSpeed ZeRO-3 that is safe to reuse across Lightning Trainer stages.
 
 One format everywhere: Hugging Face-style safetensors shards, ``model.safetensors.index.json`` and a
-manifest (``stagesafe.json``) with the sha256 of every shard, on any fsspec URL.
+manifest (``stagesafe.json``) with the digest of every shard (``xxh3-128-tree``: docs/handoff-format.md), on any
+fsspec URL.
 
 The strategy is imported lazily (PEP 562) so that the ``stagesafe`` command line does not pay for Lightning
 and DeepSpeed; it registers its names (``Trainer(strategy="stagesafe_deepspeed_stage_3")``) as soon as

@@ -309,9 +309,11 @@ def handoff(ckpts, tmp_path, capsys):
     return dst
 
 
-def test_verify_ok(handoff, capsys):
+def test_verify_ok_names_the_digest_consolidate_recorded(handoff, capsys):
+    with open(handoff / "stagesafe.json") as f:
+        assert json.load(f)["digest"] == "xxh3-128-tree"  # the CLI's output records what every new handoff does
     code, out, err = run(capsys, "verify", str(handoff))
-    assert code == 0 and out.startswith("ok: ") and err == ""
+    assert code == 0 and out.startswith("ok: ") and out.rstrip().endswith("(digest xxh3-128-tree)") and err == ""
     assert run(capsys, "verify", str(handoff), "-q") == (0, "", "")
 
 
