@@ -192,6 +192,7 @@ def _hash_in_child(queue):
     queue.put(hash_buffer(DEFAULT, DATA, workers=2))
 
 
+@pytest.mark.slow  # starts a process
 def test_a_forked_child_hashes_on_threads_of_its_own():
     parent = hash_buffer(DEFAULT, DATA, workers=2)  # the parent's pool has threads now; a child has none of them
     context = multiprocessing.get_context("fork")

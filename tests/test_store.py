@@ -611,6 +611,7 @@ def big_url(request, tmp_path):
         fsspec.filesystem("memory").rm(root, recursive=True)
 
 
+@pytest.mark.slow  # 40 MB shards, every digest: seconds each
 @pytest.mark.parametrize("digest", NAMES)
 def test_a_flipped_byte_in_any_chunk_of_a_shard_is_caught_with_every_digest(big_url, digest):
     """One shard of 40 MB: two chunks as readers read it (32 MiB), ten pieces of xxh3-128-tree (4 MiB)."""
