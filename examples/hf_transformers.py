@@ -103,7 +103,7 @@ def main() -> None:
     # A stand-alone Hugging Face folder: config.json + safetensors shards + index, nothing stagesafe-specific
     # needed to read it. Small shards here only to show that sharded folders load too.
     hf_dir = os.path.join(args.out, "hf_model")
-    weights = stagesafe.load_state_dict(handoff_uri)  # every shard checked against its sha256 first
+    weights = stagesafe.load_state_dict(handoff_uri)  # every shard checked against its digest first
     hf_weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()}
     stagesafe.save_state_dict(hf_weights, hf_dir, max_shard_size="20KB", overwrite=True, metadata={"source": handoff_uri})
     config.save_pretrained(hf_dir)

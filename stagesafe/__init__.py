@@ -1,7 +1,8 @@
 """stagesafe: DeepSpeed ZeRO-3 that is safe to reuse across Lightning Trainer stages.
 
 One format everywhere: Hugging Face-style safetensors shards, ``model.safetensors.index.json`` and a
-manifest (``stagesafe.json``) with the sha256 of every shard, on any fsspec URL.
+manifest (``stagesafe.json``) with the digest of every shard (``xxh3-128-tree``: docs/handoff-format.md), on any
+fsspec URL.
 
 ``import stagesafe`` loads only the errors: every public function and the strategy load on first use (PEP 562),
 so that the ``stagesafe`` command line pays for neither torch, Lightning nor DeepSpeed. The strategy registers

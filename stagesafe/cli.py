@@ -27,7 +27,7 @@ _CONSOLIDATE_EPILOG = """\
 SRC is the folder engine.save_checkpoint(SRC) wrote (it holds 'latest' and a tag folder such as
 global_step100), or the folder Lightning's trainer.save_checkpoint("x.ckpt") wrote under DeepSpeed, or a
 tag folder itself. DST receives model-0000i-of-0000n.safetensors, model.safetensors.index.json and the
-manifest stagesafe.json (sha256 of every shard). Both may be local paths or fsspec URLs.
+manifest stagesafe.json (the digest of every shard). Both may be local paths or fsspec URLs.
 
 examples:
   stagesafe consolidate checkpoints/run1 weights/run1
@@ -45,8 +45,9 @@ examples:
   stagesafe inspect s3://bucket/weights --json | jq '.totals'
 """
 _VERIFY_EPILOG = """\
-Re-hashes every shard and compares it with the sha256 and size in the manifest, and checks the index.
-Exit 0 when all match, 1 naming the first shard that does not, 2 when URL holds no handoff.
+Re-hashes every shard and compares it with the digest and size in the manifest, and checks the index;
+says which digest it checked (xxh3-128-tree, blake3, or sha256 for handoffs written before the digest was
+named). Exit 0 when all match, 1 naming the first shard that does not, 2 when URL holds no handoff.
 
 examples:
   stagesafe verify weights/run1
@@ -150,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         "verify",
         parents=[storage],
         help="re-hash every shard of a handoff against its manifest",
-        description="Check every shard of a handoff against the sha256 and size its manifest records.",
+        description="Check every shard of a handoff against the digest and size its manifest records.",
         epilog=_VERIFY_EPILOG,
         formatter_class=fmt,
     )
@@ -249,7 +250,7 @@ def _inspect(args: argparse.Namespace) -> int:
         line += f" in {totals['shards']} shard{'s' if totals['shards'] != 1 else ''} ({_size(totals['file_bytes'])} on disk)"
         out.append(line)
         for name, rec in man["shards"].items():
-            out.append(f"  {name}  {_size(rec['size'])}  sha256 {rec['sha256']}")
+            out.append(f"  {name}  {_size(rec['size'])}  {man['digest']} {rec[man['digest']]}")
         if man["metadata"]:
             out.append("metadata: " + json.dumps(man["metadata"], sort_keys=True))
         out.append("versions: " + ", ".join(f"{k} {v}" for k, v in man["versions"].items() if v))
@@ -265,6 +266,7 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from stagesafe.handoff.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
+    from stagesafe.handoff.plan import digest_of
     from stagesafe.handoff.store import verify
 
     options = dict(args.storage_options) or None
@@ -281,7 +283,10 @@ def _verify(args: argparse.Namespace) -> int:
     if not args.quiet:
         size = sum(rec["size"] for rec in manifest["shards"].values())
         n = len(manifest["shards"])
-        print(f"ok: {n} shard{'s' if n != 1 else ''} ({_size(size)}) match the manifest of {args.url}")
+        print(
+            f"ok: {n} shard{'s' if n != 1 else ''} ({_size(size)}) match the manifest of {args.url} "
+            f"(digest {digest_of(manifest)})"
+        )
     return EXIT_OK
 
 

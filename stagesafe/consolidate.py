@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 from stagesafe.handoff import store
 from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
-from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, INDEX_NAME, MANIFEST_NAME, is_shard_name, parse_size, plan_shards, shard_file_names
+from stagesafe.handoff.plan import (
+    DEFAULT_MAX_SHARD_SIZE,
+    INDEX_NAME,
+    MANIFEST_NAME,
+    digest_of,
+    is_shard_name,
+    parse_size,
+    plan_shards,
+    shard_file_names,
+)
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
@@ -357,7 +366,10 @@ def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
             "shards": len(manifest["shards"]),
             "file_bytes": sum(rec["size"] for rec in manifest["shards"].values()),
         },
-        "manifest": {k: manifest[k] for k in ("format", "created", "shards", "metadata", "versions")},
+        "manifest": {
+            **{k: manifest[k] for k in ("format", "created", "shards", "metadata", "versions")},
+            "digest": digest_of(manifest),
+        },
     }
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
-import hashlib
 import io
 import json
 import math
@@ -221,8 +220,11 @@ def handoff_cases(draw) -> Callable[[str], None]:
                 f.write(blob)
             described = _described(blob) if forge_tensors else None
 
+            from stagesafe.handoff.digest import hash_buffer
+            from stagesafe.handoff.plan import digest_of
+
             def edit(m: dict) -> None:
-                m["shards"][shard] = {"sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
+                m["shards"][shard] = {digest_of(m): hash_buffer(digest_of(m), blob), "size": len(blob)}
                 if described is not None:
                     for name in [n for n, f in m["weight_map"].items() if f == shard]:
                         del m["weight_map"][name], m["tensors"][name]

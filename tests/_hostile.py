@@ -9,7 +9,6 @@ outside a folder was opened.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import struct
@@ -63,14 +62,17 @@ def forge_manifest(root: str, edit: Callable[[dict], None]) -> dict:
 
 def replace_shard(root: str, data: bytes, tensors: Mapping[str, tuple[str, list[int]]] | None = None) -> str:
     """Make ``data`` the only shard of the local handoff ``root``, with a manifest forged to match it: its size
-    and sha256, and ``tensors`` (name -> (dtype, shape)) stored in it. Returns the shard's name."""
+    and digest, and ``tensors`` (name -> (dtype, shape)) stored in it. Returns the shard's name."""
     with open(os.path.join(root, MANIFEST)) as f:
         (shard,) = json.load(f)["shards"]
     with open(os.path.join(root, shard), "wb") as f:
         f.write(data)
 
+    from stagesafe.handoff.digest import hash_buffer
+    from stagesafe.handoff.plan import digest_of
+
     def edit(manifest: dict) -> None:
-        manifest["shards"][shard] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        manifest["shards"][shard] = {digest_of(manifest): hash_buffer(digest_of(manifest), data), "size": len(data)}
         if tensors is not None:
             manifest["tensors"] = {name: {"dtype": d, "shape": list(s)} for name, (d, s) in tensors.items()}
             manifest["weight_map"] = {name: shard for name in tensors}

@@ -275,7 +275,7 @@ def test_inspect_handoff_table_and_json(ckpts, tmp_path, capsys):
     code, out, _ = run(capsys, "inspect", str(dst))
     assert code == 0
     assert "embed.weight" in out and "float32" in out and "[37, 13]" in out and "-00001-of-" in out
-    assert "= embed.weight (tied)" in out and "sha256" in out and "tensors (+1 tied)" in out
+    assert "= embed.weight (tied)" in out and "xxh3-128-tree" in out and "tensors (+1 tied)" in out
     code, out, _ = run(capsys, "inspect", str(dst), "--json")
     info = json.loads(out)
     assert info["kind"] == "handoff"
@@ -309,9 +309,11 @@ def handoff(ckpts, tmp_path, capsys):
     return dst
 
 
-def test_verify_ok(handoff, capsys):
+def test_verify_ok_names_the_digest_consolidate_recorded(handoff, capsys):
+    with open(handoff / "stagesafe.json") as f:
+        assert json.load(f)["digest"] == "xxh3-128-tree"  # the CLI's output records what every new handoff does
     code, out, err = run(capsys, "verify", str(handoff))
-    assert code == 0 and out.startswith("ok: ") and err == ""
+    assert code == 0 and out.startswith("ok: ") and out.rstrip().endswith("(digest xxh3-128-tree)") and err == ""
     assert run(capsys, "verify", str(handoff), "-q") == (0, "", "")
 
 

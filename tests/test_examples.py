@@ -78,7 +78,7 @@ def test_cloud_handoff_example_two_jobs_through_s3(s3, tmp_path):
         cwd=str(tmp_path),
     )
     assert f"job A: fit on 2 ranks wrote {trained} at step 16" in job_a.stdout
-    assert "sha256 verified" in job_a.stdout
+    assert "xxh3-128-tree verified" in job_a.stdout
     assert "stagesafe.json" in s3.objects(trained)  # committed in the store, not on a local disk
 
     job_b = run_script(

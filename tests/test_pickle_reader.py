@@ -7,7 +7,6 @@ import copyreg
 import io
 import os
 import pickle
-import sys
 import zipfile
 from collections import OrderedDict
 

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import ast
 import copy
+import hashlib
 import pathlib
 
 import pytest
 
 import stagesafe.handoff.codec
 import stagesafe.handoff.plan
+from stagesafe.handoff.digest import DEFAULT, NAMES, hash_buffer
 from stagesafe.handoff.plan import (
     FORMAT,
     build_index,
     build_manifest,
     check_metadata,
+    digest_of,
     is_shard_name,
     is_temp_name,
     manifest_checksum,
     parse_size,
     plan_shards,
+    shard_digest,
     shard_file_names,
     tag_for,
     temp_name,
@@ -47,7 +51,11 @@ def test_pure_module_imports_neither_torch_nor_fsspec(module):
         "typing",
         "stagesafe",
     }
-    assert {m for m in imported if m.startswith("stagesafe")} <= {"stagesafe.errors", "stagesafe.handoff.codec"}
+    assert {m for m in imported if m.startswith("stagesafe")} <= {
+        "stagesafe.errors",
+        "stagesafe.handoff.codec",
+        "stagesafe.handoff.digest",  # pure as well: tests/test_digest.py
+    }
 
 
 @pytest.mark.parametrize(
@@ -169,10 +177,14 @@ def test_check_metadata_names_the_bad_entry(meta, pattern):
         check_metadata(meta)
 
 
-def _manifest():
+SHARD = "model-00001-of-00001.safetensors"
+
+
+def _manifest(digest=DEFAULT):
     return build_manifest(
-        shards={"model-00001-of-00001.safetensors": {"sha256": "0" * 64, "size": 100}},
-        weight_map={"w": "model-00001-of-00001.safetensors"},
+        digest=digest,
+        shards={SHARD: {"hexdigest": hash_buffer(digest, b"shard"), "size": 100}},
+        weight_map={"w": SHARD},
         tensors={"w": {"dtype": "float32", "shape": (2, 3)}, "tied": {"dtype": "float32", "shape": [2, 3]}},
         aliases={"tied": "w"},
         total_size=24,
@@ -184,10 +196,31 @@ def _manifest():
 
 def test_build_manifest():
     m = _manifest()
-    assert m["format"] == FORMAT == "stagesafe/1"
+    assert m["format"] == FORMAT == "stagesafe/2"
+    assert m["digest"] == DEFAULT and digest_of(m) == DEFAULT
+    assert m["shards"][SHARD] == {DEFAULT: hash_buffer(DEFAULT, b"shard"), "size": 100}
+    assert shard_digest(m, SHARD) == hash_buffer(DEFAULT, b"shard")
     assert m["tensors"]["w"]["shape"] == [2, 3]
     assert m["aliases"] == {"tied": "w"}
     assert validate_manifest(copy.deepcopy(m), source="x") == m
+
+
+def test_a_sha256_manifest_is_written_as_before_so_older_readers_read_it():
+    m = _manifest("sha256")
+    assert m["format"] == "stagesafe/1" and "digest" not in m  # the layout every stagesafe before it wrote
+    assert m["shards"][SHARD] == {"sha256": hashlib.sha256(b"shard").hexdigest(), "size": 100}
+    assert digest_of(m) == "sha256" and validate_manifest(copy.deepcopy(m), source="x") == m
+
+
+@pytest.mark.parametrize("digest", NAMES)
+def test_every_digest_makes_a_manifest_that_validates(digest):
+    m = _manifest(digest)
+    assert digest_of(validate_manifest(copy.deepcopy(m), source="x")) == digest
+
+
+def test_build_manifest_refuses_an_unknown_digest():
+    with pytest.raises(InvalidArgumentError, match="digest='md5' is not one stagesafe knows; pass one of"):
+        _manifest("md5")
 
 
 def _break(path, value):
@@ -207,12 +240,19 @@ def _break(path, value):
     ("edit", "pattern"),
     [
         (_break(["format"], "other/1"), "'format' is 'other/1'"),
-        (_break(["format"], "stagesafe/9"), "upgrade stagesafe"),
+        (_break(["format"], "stagesafe/9"), "newer than this stagesafe reads.*upgrade stagesafe"),
+        (_break(["digest"], "xxh4-512"), "digest 'xxh4-512' is not one this stagesafe knows.*upgrade stagesafe"),
+        (_break(["digest"], KeyError), "'digest' is None, expected the name of the shards' digest"),
+        (_break(["digest"], ["sha256"]), "'digest' is \\['sha256'\\]"),
+        (_break(["format"], "stagesafe/1"), "format 'stagesafe/1' records sha256 and names no 'digest'"),
         (_break(["shards"], KeyError), "'shards' is missing"),
         (_break(["weight_map", "w"], "model-00009-of-00009.safetensors"), "not listed in 'shards'"),
         (_break(["aliases", "tied"], "nope"), "alias 'tied' points to 'nope'"),
-        (_break(["shards", "../../etc/passwd"], {"sha256": "0" * 64, "size": 1}), "not a shard file name"),
-        (_break(["shards", "model-00001-of-00001.safetensors", "sha256"], "xyz"), "64-hex"),
+        (_break(["shards", "../../etc/passwd"], {DEFAULT: "0" * 32, "size": 1}), "not a shard file name"),
+        (_break(["shards", SHARD, DEFAULT], "xyz"), f"needs a hex '{DEFAULT}' of its bytes"),
+        (_break(["shards", SHARD, DEFAULT], "0" * 64), f"needs a hex '{DEFAULT}' of its bytes"),
+        (_break(["shards", SHARD, DEFAULT], "A" * 32), f"needs a hex '{DEFAULT}' of its bytes"),
+        (_break(["shards", SHARD], {"sha256": "0" * 64, "size": 100}), f"needs a hex '{DEFAULT}' of its bytes"),
         (_break(["tensors", "extra"], {"dtype": "float32", "shape": [1]}), "only in 'tensors': \\['extra'\\]"),
         (_break(["tensors", "w", "shape"], [-1]), "tensor 'w' needs"),
     ],
@@ -224,6 +264,22 @@ def test_validate_manifest_refuses(edit, pattern):
     with pytest.raises(HandoffCorruptError, match=pattern):
         validate_manifest(m, source="somewhere/stagesafe.json")
     with pytest.raises(HandoffCorruptError, match="somewhere"):
+        validate_manifest(m, source="somewhere/stagesafe.json")
+
+
+@pytest.mark.parametrize(
+    ("edit", "pattern"),
+    [
+        (_break(["shards", SHARD, "sha256"], "0" * 63), "needs a hex 'sha256' of its bytes"),
+        (_break(["shards", SHARD], {DEFAULT: "0" * 32, "size": 100}), "needs a hex 'sha256' of its bytes"),
+        (_break(["format"], "stagesafe/2"), "'digest' is None"),
+    ],
+)
+def test_validate_a_sha256_manifest_refuses(edit, pattern):
+    m = _manifest("sha256")
+    edit(m)
+    m["checksum"] = manifest_checksum(m)
+    with pytest.raises(HandoffCorruptError, match=pattern):
         validate_manifest(m, source="somewhere/stagesafe.json")
 
 

@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Mapping
 from datetime import datetime, timedelta, timezone
@@ -15,10 +16,11 @@ import fsspec
 import pytest
 import safetensors.torch
 import torch
-from _hostile import opened_files, outside, replace_shard, run_python, safetensors_bytes
+from _hostile import forge_manifest, opened_files, outside, replace_shard, run_python, safetensors_bytes
 
+from stagesafe.handoff.digest import CHUNK, DEFAULT, LEAF, NAMES, hash_buffer
 from stagesafe.handoff.fs import list_files, resolve
-from stagesafe.handoff.plan import manifest_checksum
+from stagesafe.handoff.plan import digest_of, manifest_checksum
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
@@ -194,13 +196,13 @@ def test_manifest_records_hashes_tensors_metadata_versions(url):
     meta = {"stage": "fit", "global_step": 12, "epoch": 3, "world_size": 2}
     manifest = save_state_dict(sd, url, metadata=meta, max_shard_size=900)
     assert json.loads(read(url, MANIFEST)) == manifest == read_manifest(url)
-    assert manifest["format"] == "stagesafe/1"
+    assert manifest["format"] == "stagesafe/2" and manifest["digest"] == DEFAULT
     assert manifest["metadata"] == meta
     assert manifest["total_size"] == 2400
     assert manifest["tensors"]["layer0.weight"] == {"dtype": "float32", "shape": [100]}
     for name, rec in manifest["shards"].items():
         data = read(url, name)
-        assert rec == {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        assert rec == {DEFAULT: hash_buffer(DEFAULT, data), "size": len(data)}
     assert {"python", "torch", "safetensors", "fsspec", "stagesafe"} <= set(manifest["versions"])
     assert manifest["versions"]["torch"] == torch.__version__
     created = datetime.fromisoformat(manifest["created"])
@@ -316,7 +318,8 @@ def test_pieces_are_written_as_the_tensor_they_join_into(tmp_path):
     loaded = safetensors.torch.load_file(str(tmp_path / name))
     assert_bitwise_equal(loaded, {"w": full, "b": bias})
     assert [id(p) for p in used] == [id(p) for p in parts]
-    assert record.sha256 == hashlib.sha256((tmp_path / name).read_bytes()).hexdigest()
+    assert record.digest == DEFAULT
+    assert record.hexdigest == hash_buffer(DEFAULT, (tmp_path / name).read_bytes())
 
     wrong = {"w": Pieces(torch.float32, (5, 6), parts), "b": bias}
     with pytest.raises(InvalidArgumentError, match=r"'w' is float32\[5, 6\] but was planned as float32\[6, 5\]"):
@@ -398,7 +401,7 @@ def _flip_byte(url, shard):
     data = bytearray(read(url, shard))
     data[len(data) - 7] ^= 0xFF  # inside the tensor data: safetensors alone would not notice
     write(url, shard, bytes(data))
-    return "sha256"
+    return f"has {DEFAULT}"
 
 
 def _truncate(url, shard):
@@ -554,7 +557,7 @@ def test_parallel_transfers_round_trip_and_name_the_first_damaged_shard(url, wor
     for name in (shards[6], shards[2]):
         _flip_byte(url, name)
     for reader in (verify, load_state_dict):  # the same shard as a loop over the shards would name
-        with pytest.raises(HandoffCorruptError, match=f"shard '{shards[2]}' has sha256"):
+        with pytest.raises(HandoffCorruptError, match=f"shard '{shards[2]}' has {DEFAULT}"):
             reader(url, workers=workers)
 
 
@@ -573,12 +576,13 @@ def test_a_shard_this_process_wrote_is_mapped_but_a_changed_one_is_hashed_again(
     url = str(tmp_path / "handoff")
     sd, shards = _three_shards(url)
     path = str(tmp_path / "handoff" / shards[1])
-    digest = read_manifest(url)["shards"][shards[1]]["sha256"]
-    assert _local_shards.known(path, digest)  # the writer hashed these very bytes: no second pass needed
+    digest = read_manifest(url)["shards"][shards[1]][DEFAULT]
+    assert _local_shards.known(path, DEFAULT, digest)  # the writer hashed these very bytes: no second pass needed
+    assert not _local_shards.known(path, "sha256", digest)  # the same hex under another digest's name is not
     assert_bitwise_equal(load_state_dict(url), sd)
     _flip_byte(url, shards[1])  # a new file (same name): no longer the one that was hashed
-    assert not _local_shards.known(path, digest)
-    with pytest.raises(HandoffCorruptError, match="sha256"):
+    assert not _local_shards.known(path, DEFAULT, digest)
+    with pytest.raises(HandoffCorruptError, match=DEFAULT):
         load_state_dict(url)
 
 
@@ -594,6 +598,122 @@ def test_verify_false_checks_sizes_and_headers_but_not_hashes(tmp_path):
         load_state_dict(url, verify=False)
     with pytest.raises(InvalidArgumentError, match="verify="):
         load_state_dict(url, verify="yes")
+
+
+@pytest.fixture(params=["path", "memory"])
+def big_url(request, tmp_path):
+    """A local and a remote handoff location, for shards of tens of MB."""
+    if request.param == "path":
+        yield str(tmp_path / "handoff")
+    else:
+        root = f"/stagesafe-tests/{uuid.uuid4().hex}"
+        yield f"memory://{root}"
+        fsspec.filesystem("memory").rm(root, recursive=True)
+
+
+@pytest.mark.slow  # 40 MB shards, every digest: seconds each
+@pytest.mark.parametrize("digest", NAMES)
+def test_a_flipped_byte_in_any_chunk_of_a_shard_is_caught_with_every_digest(big_url, digest):
+    """One shard of 40 MB: two chunks as readers read it (32 MiB), ten pieces of xxh3-128-tree (4 MiB)."""
+    sd = {"w": torch.randn(10_000_000, generator=torch.Generator().manual_seed(0))}
+    manifest = save_state_dict(sd, big_url, digest=digest)
+    assert digest_of(manifest) == digest
+    (shard,) = manifest["shards"]
+    fs, root = resolve(big_url)
+    path = f"{root}/{shard}"
+    size = manifest["shards"][shard]["size"]
+    for at in (30, LEAF - 1, LEAF, CHUNK, CHUNK + LEAF + 7, size - 1):  # the header, pieces and chunks, their edges
+        data = bytearray(fs.cat_file(path))
+        data[at] ^= 0x10
+        fs.pipe_file(path, bytes(data))  # in place on a local disk: same inode, new times
+        for reader in (verify, load_state_dict):
+            with pytest.raises(HandoffCorruptError, match=f"shard '{shard}' has {digest} "):
+                reader(big_url)
+        data[at] ^= 0x10
+        fs.pipe_file(path, bytes(data))
+    assert verify(big_url) == manifest
+    assert_bitwise_equal(load_state_dict(big_url), sd)
+
+
+def test_an_old_sha256_handoff_loads_and_verifies(tmp_path, capsys):
+    """tests/data/handoff-sha256 was written by stagesafe before the digest was named (commit d9135f2)."""
+    from stagesafe.cli import main
+    from stagesafe.handoff.store import HandoffReader
+
+    url = str(tmp_path / "old")
+    shutil.copytree(os.path.join(os.path.dirname(__file__), "data", "handoff-sha256"), url)
+    embed = torch.arange(64, dtype=torch.float32).reshape(16, 4) / 8
+    expected = {
+        "embed.weight": embed,
+        "layer.weight": (torch.arange(32, dtype=torch.float32) - 16).reshape(4, 8).to(torch.bfloat16),
+        "layer.steps": torch.tensor([3, 1, 4]),
+        "head.weight": embed,
+    }
+    manifest = read_manifest(url)
+    assert manifest["format"] == "stagesafe/1" and digest_of(manifest) == "sha256"
+    assert verify(url) == manifest
+    loaded = load_state_dict(url)
+    assert_bitwise_equal(loaded, expected)
+    assert loaded["head.weight"] is loaded["embed.weight"]
+    assert_bitwise_equal(dict(HandoffReader(url)), expected)
+    assert main(["verify", url]) == 0
+    assert "(digest sha256)" in capsys.readouterr().out
+    shard = sorted(manifest["shards"])[0]
+    _flip_byte(url, shard)
+    for reader in (verify, load_state_dict):
+        with pytest.raises(HandoffCorruptError, match=f"shard '{shard}' has sha256 "):
+            reader(url)
+
+
+def test_a_sha256_handoff_written_now_has_the_layout_older_readers_read(tmp_path):
+    url = str(tmp_path / "h")
+    sd = model_dict(3)
+    manifest = save_state_dict(sd, url, digest="sha256")
+    with open(os.path.join(os.path.dirname(__file__), "data", "handoff-sha256", MANIFEST)) as f:
+        old = json.load(f)
+    assert manifest["format"] == old["format"] == "stagesafe/1" and list(manifest) == list(old)
+    for name, rec in manifest["shards"].items():
+        assert rec == {"sha256": hashlib.sha256(read(url, name)).hexdigest(), "size": len(read(url, name))}
+    assert_bitwise_equal(load_state_dict(url), sd)
+
+
+def test_an_unknown_digest_is_refused_before_anything_is_written(tmp_path):
+    with pytest.raises(InvalidArgumentError, match="digest='md5' is not one stagesafe knows; pass one of"):
+        save_state_dict(model_dict(1), str(tmp_path / "h"), digest="md5")
+    assert not (tmp_path / "h").exists()
+
+
+def test_a_handoff_naming_a_digest_this_stagesafe_does_not_know_asks_for_an_upgrade(tmp_path):
+    url = str(tmp_path / "h")
+    save_state_dict(model_dict(1), url)
+    forge_manifest(url, lambda m: m.update(digest="xxh4-512"))
+    for reader in (verify, load_state_dict, read_manifest):
+        with pytest.raises(HandoffCorruptError, match="digest 'xxh4-512' is not one this stagesafe knows.*upgrade"):
+            reader(url)
+
+
+def test_shards_hashed_with_different_digests_are_not_committed(tmp_path):
+    fs, root = resolve(str(tmp_path))
+    sd = model_dict(2, n=4)
+    plan = plan_handoff(sd, max_shard_size=800)
+    first, second = plan.shards
+    records = {
+        first: write_shard(fs, root, first, plan.shard_tensors(first)),
+        second: write_shard(fs, root, second, plan.shard_tensors(second), digest="sha256"),
+    }
+    with pytest.raises(InvalidArgumentError, match=r"hashed with different digests \['sha256', 'xxh3-128-tree'\]"):
+        commit(fs, root, plan, records)
+    assert MANIFEST not in files(str(tmp_path))
+
+
+def test_verify_false_reads_a_remote_shard_without_hashing_it():
+    url = f"memory:///stagesafe-tests/{uuid.uuid4().hex}"
+    sd, shards = _three_shards(url)
+    _flip_byte(url, shards[1])
+    loaded = load_state_dict(url, verify=False)
+    assert sum(not torch.equal(bits(loaded[name]), bits(sd[name])) for name in sd) == 1
+    with pytest.raises(HandoffCorruptError, match=f"has {DEFAULT}"):
+        load_state_dict(url)
 
 
 def test_a_loaded_shard_holds_views_of_one_buffer_that_safetensors_can_save(tmp_path):

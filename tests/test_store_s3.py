@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import re
 
-import hashlib
 import json
 import threading
 import time
@@ -22,6 +21,7 @@ from stagesafe.errors import (
     HandoffNotFoundError,
     StorageTransferError,
 )
+from stagesafe.handoff.digest import DEFAULT, hash_buffer
 from stagesafe.handoff.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
 
 pytestmark = pytest.mark.timeout(60)
@@ -63,7 +63,7 @@ def test_round_trip_on_s3_is_bitwise_and_the_objects_are_a_hugging_face_folder(s
     assert json.loads(objects[MANIFEST]) == manifest == read_manifest(url, storage_options=opts)
     assert json.loads(objects[INDEX])["weight_map"] == manifest["weight_map"]
     for name, rec in manifest["shards"].items():  # what S3 holds is what the manifest describes
-        assert rec == {"sha256": hashlib.sha256(objects[name]).hexdigest(), "size": len(objects[name])}
+        assert rec == {DEFAULT: hash_buffer(DEFAULT, objects[name]), "size": len(objects[name])}
         safetensors.torch.load(objects[name])
     loaded = load_state_dict(url, storage_options=opts)
     assert_bitwise_equal(loaded, sd)
@@ -128,7 +128,7 @@ def test_a_damaged_object_is_refused_naming_the_shard(s3, damage):
     else:
         bucket, prefix = url.removeprefix("s3://").split("/", 1)
         s3.client().delete_object(Bucket=bucket, Key=f"{prefix}/{shard}")
-    expected = {"flip": "sha256", "truncate": "bytes, the manifest says", "delete": "missing"}[damage]
+    expected = {"flip": f"has {DEFAULT}", "truncate": "bytes, the manifest says", "delete": "missing"}[damage]
     for reader in (verify, load_state_dict):
         with pytest.raises(HandoffCorruptError, match=expected) as info:
             reader(url, storage_options=opts)

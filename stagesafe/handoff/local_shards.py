@@ -1,31 +1,31 @@
-"""Reading local shard files fast: read once and hashed as the bytes arrive, or mapped when already known.
+"""Reading local shard files fast: mapped as ``load_file`` maps them, and hashed through the mapping first.
 
-A shard's sha256 is checked before its tensors are trusted. Hashing costs one pass over the bytes at about
-1.8 GB/s per core, while ``safetensors.torch.load_file`` only maps the file. So a file is hashed while it is
-read (one copy, hashed while still in cache), and a file whose bytes this process has already hashed (it
-wrote them, or verified them) is mapped like ``load_file`` does, as long as it is still the same file: same
-inode, size, modification and change times. Tensors are views of the shard's buffer, as with ``load_file``.
+A shard's digest is checked before its tensors are trusted. ``safetensors.torch.load_file`` only maps the file;
+reading it into memory of our own would cost a copy that takes longer than the hash itself. So a shard is
+mapped, its bytes hashed through the mapping on every core (:mod:`stagesafe.handoff.digest`), and its tensors
+are views of the mapping, as with ``load_file``. A file whose bytes this process has already hashed (it wrote
+them, or loaded them) is mapped without hashing it again, as long as it is still the same file: same inode,
+size, modification and change times.
 """
 
 from __future__ import annotations
 
-import hashlib
 import mmap
 import os
 import threading
 from typing import IO, TYPE_CHECKING
 
 from stagesafe.handoff import codec
+from stagesafe.handoff import digest as _digest
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CHUNK", "read_hashed", "map_file", "remember", "known", "tensors_in"]
-
-CHUNK = 16 * 1024 * 1024  # read and hash in pieces of this size
+__all__ = ["map_hashed", "map_file", "remember", "known", "tensors_in"]
 
 _lock = threading.Lock()
-_KNOWN: dict[str, tuple[tuple[int, int, int, int, int], str]] = {}  # path -> (identity, sha256 of its bytes)
+# path -> (identity, (digest name, hex digest of its bytes))
+_KNOWN: dict[str, tuple[tuple[int, int, int, int, int], tuple[str, str]]] = {}
 
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -36,23 +36,23 @@ def _stat(path: str, f: IO[bytes] | None) -> os.stat_result:
     return os.fstat(f.fileno()) if f is not None else os.stat(path)
 
 
-def remember(path: str, sha256: str, *, f: IO[bytes] | None = None) -> None:
-    """This process knows the bytes of ``path`` (read through ``f``, if given) hash to ``sha256`` (it wrote or
-    verified them just now)."""
+def remember(path: str, digest: str, hexdigest: str, *, f: IO[bytes] | None = None) -> None:
+    """This process knows the bytes of ``path`` (read through ``f``, if given) have the ``digest`` (a name of
+    :mod:`stagesafe.handoff.digest`) ``hexdigest``: it wrote or verified them just now."""
     try:
         identity = _identity(_stat(path, f))
     except OSError:
         return
     with _lock:
-        _KNOWN[path] = (identity, sha256)
+        _KNOWN[path] = (identity, (digest, hexdigest))
 
 
-def known(path: str, sha256: str, *, f: IO[bytes] | None = None) -> bool:
-    """True when ``path`` (the file open as ``f``, if given) is the very file this process hashed to ``sha256``,
-    unchanged since."""
+def known(path: str, digest: str, hexdigest: str, *, f: IO[bytes] | None = None) -> bool:
+    """True when ``path`` (the file open as ``f``, if given) is the very file this process found to have the
+    ``digest`` ``hexdigest``, unchanged since."""
     with _lock:
         entry = _KNOWN.get(path)
-    if entry is None or entry[1] != sha256:
+    if entry is None or entry[1] != (digest, hexdigest):
         return False
     try:
         return _identity(_stat(path, f)) == entry[0]
@@ -60,22 +60,12 @@ def known(path: str, sha256: str, *, f: IO[bytes] | None = None) -> bool:
         return False
 
 
-def read_hashed(f: IO[bytes], limit: int) -> tuple[torch.Tensor, str]:
-    """At most ``limit + 1`` bytes of the open file ``f`` (one more than expected shows a file that grew), read
-    once into one buffer and hashed chunk by chunk as they arrive, while still in cache."""
-    import torch
-
-    buffer = torch.empty(limit + 1, dtype=torch.uint8)
-    view = memoryview(buffer.numpy())
-    digest = hashlib.sha256()
-    done = 0
-    while done <= limit:
-        n = f.readinto(view[done : min(done + CHUNK, limit + 1)])
-        if not n:
-            break
-        digest.update(view[done : done + n])
-        done += n
-    return buffer[:done], digest.hexdigest()  # exactly the bytes hashed, whatever happens to the file meanwhile
+def map_hashed(f: IO[bytes], size: int, digest: str) -> tuple[torch.Tensor, str]:
+    """The first ``size`` bytes of the open local file ``f``, mapped (:func:`map_file`), and their ``digest``,
+    hashed through the mapping on as many threads as help. Hashing touches every page, so the tensors' reads
+    later find them mapped: the hash takes the place of the page faults ``load_file``'s reader pays."""
+    buffer = map_file(f, size)
+    return buffer, _digest.hash_buffer(digest, memoryview(buffer.numpy()))
 
 
 def map_file(f: IO[bytes], size: int) -> torch.Tensor:

@@ -16,21 +16,25 @@ from decimal import Decimal
 from typing import Any
 
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, shown
+import stagesafe.handoff.digest as _digest
 from stagesafe.handoff.codec import SAFETENSORS_DTYPES, check_tensor
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
     "FORMAT",
+    "FORMATS",
     "INDEX_NAME",
     "MANIFEST_NAME",
     "SAFETENSORS_DTYPES",
     "build_index",
     "build_manifest",
     "check_metadata",
+    "digest_of",
     "is_shard_name",
     "is_temp_name",
     "parse_size",
     "plan_shards",
+    "shard_digest",
     "shard_file_names",
     "shard_names",
     "tag_for",
@@ -38,7 +42,8 @@ __all__ = [
     "validate_manifest",
 ]
 
-FORMAT = "stagesafe/1"
+FORMAT = "stagesafe/2"  # names its shards' digest ("digest"); written unless that digest is sha256
+FORMATS = ("stagesafe/1", FORMAT)  # stagesafe/1: sha256, what every handoff recorded before; still read
 DEFAULT_MAX_SHARD_SIZE = "1GB"  # one default for the strategy, save_state_dict and the CLI
 INDEX_NAME = "model.safetensors.index.json"  # the name Hugging Face loaders look for
 MANIFEST_NAME = "stagesafe.json"  # written last: its presence and content define the committed handoff
@@ -200,6 +205,7 @@ def _plain_json(value: Any, where: str) -> Any:
 
 def build_manifest(
     *,
+    digest: str,
     shards: Mapping[str, Mapping[str, Any]],
     weight_map: Mapping[str, str],
     tensors: Mapping[str, Mapping[str, Any]],
@@ -209,22 +215,45 @@ def build_manifest(
     versions: Mapping[str, str | None],
     created: str,
 ) -> dict[str, Any]:
-    """The manifest ``stagesafe.json``; validated here so that a writer never commits one a reader would refuse."""
-    manifest = {
-        "format": FORMAT,
-        "created": created,
-        "shards": {name: {"sha256": rec["sha256"], "size": int(rec["size"])} for name, rec in shards.items()},
-        "weight_map": dict(weight_map),
-        "tensors": {
-            name: {"dtype": meta["dtype"], "shape": [int(d) for d in meta["shape"]]} for name, meta in tensors.items()
-        },
-        "aliases": dict(aliases),
-        "total_size": int(total_size),
-        "metadata": check_metadata(metadata),
-        "versions": dict(versions),
-    }
+    """The manifest ``stagesafe.json``; validated here so that a writer never commits one a reader would refuse.
+
+    ``shards`` maps each file to ``{"hexdigest", "size"}``, hashed with ``digest``. A manifest of sha256 shards
+    is written as format ``stagesafe/1``, exactly as before, so that an older stagesafe reads it; any other
+    digest makes it ``stagesafe/2``, which an older stagesafe refuses with "upgrade stagesafe" rather than
+    taking the handoff for a damaged one.
+    """
+    _digest.check_name(digest)
+    legacy = digest == _digest.LEGACY
+    manifest: dict[str, Any] = {"format": FORMATS[0] if legacy else FORMAT}
+    if not legacy:
+        manifest["digest"] = digest
+    manifest.update(
+        {
+            "created": created,
+            "shards": {name: {digest: rec["hexdigest"], "size": int(rec["size"])} for name, rec in shards.items()},
+            "weight_map": dict(weight_map),
+            "tensors": {
+                name: {"dtype": meta["dtype"], "shape": [int(d) for d in meta["shape"]]}
+                for name, meta in tensors.items()
+            },
+            "aliases": dict(aliases),
+            "total_size": int(total_size),
+            "metadata": check_metadata(metadata),
+            "versions": dict(versions),
+        }
+    )
     manifest["checksum"] = manifest_checksum(manifest)
     return validate_manifest(manifest, source="the new manifest")
+
+
+def digest_of(manifest: Mapping[str, Any]) -> str:
+    """The digest a validated manifest records for its shards (sha256 for format ``stagesafe/1``)."""
+    return manifest.get("digest", _digest.LEGACY)
+
+
+def shard_digest(manifest: Mapping[str, Any], file: str) -> str:
+    """The hex digest a validated manifest records for the shard ``file``."""
+    return manifest["shards"][file][digest_of(manifest)]
 
 
 def manifest_checksum(manifest: Mapping[str, Any]) -> str:
@@ -243,12 +272,13 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     if not isinstance(manifest, dict):
         raise bad(f"the manifest is a JSON {type(manifest).__name__}, not an object")
     fmt = manifest.get("format")
-    if fmt != FORMAT:
+    if fmt not in FORMATS:
         if isinstance(fmt, str) and fmt.startswith("stagesafe/"):
             raise HandoffCorruptError(
-                f"{source}: format {shown(fmt)} is newer than this stagesafe reads ({FORMAT!r}); upgrade stagesafe"
+                f"{source}: format {shown(fmt)} is newer than this stagesafe reads ({', '.join(FORMATS)}); "
+                "upgrade stagesafe"
             )
-        raise bad(f"'format' is {shown(fmt)}, expected {FORMAT!r}")
+        raise bad(f"'format' is {shown(fmt)}, expected one of {', '.join(FORMATS)}")
     for key, kind in (
         ("created", str),
         ("shards", dict),
@@ -267,19 +297,19 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
         raise bad("it holds JSON nested too deeply") from None
     if manifest.get("checksum") != checksum:
         raise bad("the manifest's 'checksum' does not match its content (changed after it was written)")
+    digest = _checked_digest(manifest, fmt, source, bad)
     shards, weight_map, tensors, aliases = (manifest[k] for k in ("shards", "weight_map", "tensors", "aliases"))
     for file, rec in shards.items():
         if not is_shard_name(file):
             raise bad(f"shard name {shown(file)} is not a shard file name of this format")
         if (
             not isinstance(rec, dict)
-            or not isinstance(rec.get("sha256"), str)
-            or not re.fullmatch(r"[0-9a-f]{64}", rec["sha256"])
+            or not _digest.is_hexdigest(digest, rec.get(digest))
             or not isinstance(rec.get("size"), int)
             or isinstance(rec["size"], bool)
             or rec["size"] < 0
         ):
-            raise bad(f"shard {file!r} needs a 64-hex 'sha256' and a byte 'size', got {shown(rec)}")
+            raise bad(f"shard {file!r} needs a hex {digest!r} of its bytes and a byte 'size', got {shown(rec)}")
     for name, file in weight_map.items():
         if not isinstance(file, str) or file not in shards:
             raise bad(f"'weight_map' puts {shown(name)} in {shown(file)}, which is not listed in 'shards'")
@@ -306,6 +336,24 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
             f"only in the maps: {shown(missing[:5])}"
         )
     return manifest
+
+
+def _checked_digest(manifest: Mapping[str, Any], fmt: str, source: str, bad: Any) -> str:
+    """The digest the manifest's shards record: sha256 for ``stagesafe/1`` (which names none), else the one
+    ``stagesafe/2`` names, which must be one this stagesafe knows."""
+    if fmt == FORMATS[0]:
+        if "digest" in manifest:
+            raise bad(f"format {fmt!r} records sha256 and names no 'digest', but it names {shown(manifest['digest'])}")
+        return _digest.LEGACY
+    name = manifest.get("digest")
+    if not isinstance(name, str):
+        raise bad(f"'digest' is {shown(name)}, expected the name of the shards' digest, e.g. {_digest.DEFAULT!r}")
+    if name not in _digest.NAMES:
+        raise HandoffCorruptError(
+            f"{source}: the shards' digest {shown(name)} is not one this stagesafe knows ({', '.join(_digest.NAMES)}); "
+            "a newer stagesafe wrote it: upgrade stagesafe"
+        )
+    return name
 
 
 def shard_names(weight_map: Mapping[str, str], shards: Sequence[str]) -> dict[str, list[str]]:

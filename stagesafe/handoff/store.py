@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
-import hashlib
 import importlib.metadata
 import json
 import logging
@@ -38,6 +37,7 @@ import safetensors
 
 
 from stagesafe.handoff import codec
+from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.codec import encode_header as _safetensors_header
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
@@ -49,10 +49,12 @@ from stagesafe.handoff.plan import (
     build_index,
     build_manifest,
     check_metadata,
+    digest_of,
     is_shard_name,
     is_temp_name,
     parse_size,
     plan_shards,
+    shard_digest,
     shard_file_names,
     shard_names,
     temp_name,
@@ -101,7 +103,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
-_CHUNK = _local_shards.CHUNK  # verify hashes in chunks of this size: memory stays bounded whatever the shard size
 _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a few times, under a busy trainer
 _MAX_JSON = 256 * 1024 * 1024  # a manifest or index larger than this is refused unread (100k tensors: ~30 MB)
 _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
@@ -116,9 +117,11 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """What :func:`commit` needs to know of a written shard. Plain data, so ranks can gather it."""
+    """What :func:`commit` needs to know of a written shard: its ``digest`` (the name, e.g. ``xxh3-128-tree``),
+    the ``hexdigest`` of its bytes, and its ``size``. Plain data, so ranks can gather it."""
 
-    sha256: str
+    digest: str
+    hexdigest: str
     size: int
 
 
@@ -235,10 +238,12 @@ def write_shard(
     *,
     specs: Mapping[str, Mapping[str, Any]] | None = None,
     retry: RetryPolicy | None = None,
+    digest: str = _digest.DEFAULT,
 ) -> ShardRecord:
-    """Write one shard file under ``root``, atomically, and return its hash and size for the manifest.
+    """Write one shard file under ``root``, atomically, and return its digest and size for the manifest.
 
-    The bytes go straight from the tensors to the file, hashed on the way: no serialized copy of the shard.
+    The bytes go straight from the tensors to the file, hashed on the way with ``digest`` (one of
+    :data:`stagesafe.handoff.digest.NAMES`): no serialized copy of the shard.
     Tensors are moved to the CPU and made contiguous; tensors whose bytes overlap (views of one another) are
     written as independent copies, which safetensors requires. With ``specs`` (name -> ``{"dtype", "shape"}``,
     as in ``HandoffPlan.tensors``) ``tensors`` may be a lazy mapping: each tensor is read only when its bytes
@@ -246,7 +251,9 @@ def write_shard(
     piece without joining them. The write (one PUT or multipart upload on an object
     store) is tried again on transient errors as ``retry`` says.
     """
-    return _write_shard(fs, root, file_name, tensors, specs=specs, retry=_check_retry(retry), stop=None)
+    return _write_shard(
+        fs, root, file_name, tensors, specs=specs, retry=_check_retry(retry), stop=None, digest=_digest.check_name(digest)
+    )
 
 
 def _write_shard(
@@ -258,6 +265,7 @@ def _write_shard(
     specs: Mapping[str, Mapping[str, Any]] | None = None,
     retry: RetryPolicy,
     stop: threading.Event | None,
+    digest: str = _digest.DEFAULT,
 ) -> ShardRecord:
     if not is_shard_name(file_name):
         raise InvalidArgumentError(
@@ -271,18 +279,13 @@ def _write_shard(
 
     def stream() -> Iterator[bytes | memoryview]:
         """The shard's bytes straight from the tensors (no serialized copy), hashed on the way out by a thread
-        of its own, so that hashing a chunk overlaps writing it; a lazy mapping is read one tensor at a time."""
-        digest = hashlib.sha256()
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stagesafe-sha256") as hasher:
-            hashed: concurrent.futures.Future | None = None
+        of its own (and the pool it spreads a chunk over), so that hashing a chunk overlaps writing it and
+        making the next; a lazy mapping is read one tensor at a time."""
+        with _digest.Pipeline(digest) as hashing:
             for chunk in _safetensors_chunks(header, specs, tensors):
-                if hashed is not None:
-                    hashed.result()  # in order, and at most one chunk ahead of the file
-                hashed = hasher.submit(digest.update, chunk)
+                hashing.add(chunk)  # in order, and at most one chunk ahead of the file
                 yield chunk
-            if hashed is not None:
-                hashed.result()
-        digests.append(digest.hexdigest())
+            digests.append(hashing.hexdigest())
 
     path = join(root, file_name)
     _transfer(
@@ -294,8 +297,8 @@ def _write_shard(
         writing=True,
     )
     if is_local(fs):
-        _local_shards.remember(path, digests[-1])  # a load in this process need not hash it again
-    return ShardRecord(sha256=digests[-1], size=size)
+        _local_shards.remember(path, digest, digests[-1])  # a load in this process need not hash it again
+    return ShardRecord(digest=digest, hexdigest=digests[-1], size=size)
 
 
 @dataclass(frozen=True)
@@ -352,8 +355,15 @@ def commit_handoff(
             f"cannot commit {url!r}: planned shards not written {unwritten[:3]}, written shards not planned "
             f"{unplanned[:3]}; write every shard of the plan with write_shard, then commit"
         )
+    digests = {shard_records[f].digest for f in plan.shards}
+    if len(digests) > 1:
+        raise InvalidArgumentError(
+            f"cannot commit {url!r}: its shards were hashed with different digests {sorted(digests)}; a manifest "
+            "records one, so write every shard of the plan with the same digest"
+        )
     manifest = build_manifest(
-        shards={f: {"sha256": shard_records[f].sha256, "size": shard_records[f].size} for f in plan.shards},
+        digest=digests.pop() if digests else _digest.DEFAULT,
+        shards={f: {"hexdigest": shard_records[f].hexdigest, "size": shard_records[f].size} for f in plan.shards},
         weight_map=plan.weight_map,
         tensors=plan.tensors,
         aliases=plan.aliases,
@@ -433,11 +443,14 @@ def save_state_dict(
     overwrite: bool = False,
     workers: int | None = None,
     retry: RetryPolicy | None = None,
+    digest: str = _digest.DEFAULT,
 ) -> dict[str, Any]:
     """Save ``state_dict`` as a handoff at ``uri``, replacing the one there atomically; return the manifest.
 
     ``metadata`` (JSON values) is stored in the manifest. A handoff already at ``uri`` is an error unless
     ``overwrite=True``, which replaces it atomically (:func:`refuse_existing_handoff` says what counts).
+    ``digest`` is the hash recorded for every shard (:data:`stagesafe.handoff.digest.NAMES`; ``"sha256"`` writes
+    a handoff that stagesafe versions before the digest was chosen can read too).
     ``workers`` shards are built and uploaded at a time (default: 4 on a remote filesystem, 1 on a local disk),
     so about that many shards' bytes are in memory at once. Every storage operation is tried again on transient
     errors as ``retry`` says (default :class:`RetryPolicy`); if one still fails, ``StorageTransferError`` names
@@ -449,10 +462,11 @@ def save_state_dict(
     metadata = check_metadata(metadata)  # before anything is written
     workers = _check_workers(workers, fs)
     retry = _check_retry(retry)
+    digest = _digest.check_name(digest)
     if not overwrite:
         refuse_existing_handoff(fs, root, retry=retry)
     plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
-    records = _write_shards(fs, root, plan, workers=workers, retry=retry)
+    records = _write_shards(fs, root, plan, workers=workers, retry=retry, digest=digest)
     return commit(fs, root, plan, records, metadata=metadata, retry=retry)
 
 
@@ -540,7 +554,7 @@ def check_present(uri: str, *, storage_options: dict[str, Any] | None = None) ->
     for file_name, record in manifest["shards"].items():
         if file_name not in sizes:
             raise HandoffCorruptError(_missing_message(url, file_name))
-        _check_bytes(url, file_name, record, sizes[file_name], None)
+        _check_bytes(url, manifest, file_name, sizes[file_name], None)
     return manifest
 
 
@@ -564,9 +578,10 @@ def load_state_dict(
     """Load the committed handoff at ``uri``, every shard checked against the manifest before it is parsed.
 
     Reads ``workers`` shards at a time (default: 4 on a remote filesystem, up to 4 on a local disk), each tried
-    again on transient errors as ``retry`` says. A local shard is read once and hashed as it arrives; one this
-    process already hashed (it wrote or loaded it), unchanged since, is mapped lazily, as ``load_file`` does.
-    ``verify=False`` skips the sha256 of every shard (sizes and headers are still checked). Tensors are views
+    again on transient errors as ``retry`` says. A local shard is mapped, as ``load_file`` maps it, and hashed
+    through the mapping on every core; one this process already hashed (it wrote or loaded it), unchanged since,
+    is mapped without hashing it again. A remote shard is hashed chunk by chunk while the next chunk arrives.
+    ``verify=False`` skips the digest of every shard (sizes and headers are still checked). Tensors are views
     of their shard's buffer; tied names come back as the same tensor object, in the order they were saved.
     """
     fs, root = resolve(uri, storage_options)
@@ -646,7 +661,7 @@ class _ShardVanished(Exception):
 
 
 def _check_workers(workers: Any, fs: fsspec.AbstractFileSystem) -> int:
-    if workers is None:  # local disks too: hashing (sha256) bounds one writer, and it runs outside the GIL
+    if workers is None:  # local disks too: shards hash at once, outside the GIL
         return min(_LOCAL_WORKERS, os.cpu_count() or 1) if is_local(fs) else _REMOTE_WORKERS
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={workers!r} must be a positive int: the shards transferred at once")
@@ -750,6 +765,7 @@ def _write_shards(
     workers: int,
     retry: RetryPolicy,
     only: list[str] | None = None,
+    digest: str = _digest.DEFAULT,
 ) -> dict[str, ShardRecord]:
     """Write the shards of ``plan`` (or ``only`` these), ``workers`` at a time; if one fails, delete those
     written and raise."""
@@ -758,7 +774,9 @@ def _write_shards(
     written: dict[str, ShardRecord] = {}
 
     def one(file_name: str, stop: threading.Event) -> None:
-        record = _write_shard(fs, root, file_name, plan.shard_tensors(file_name), retry=retry, stop=stop)
+        record = _write_shard(
+            fs, root, file_name, plan.shard_tensors(file_name), retry=retry, stop=stop, digest=digest
+        )
         with lock:
             written[file_name] = record
 
@@ -963,17 +981,19 @@ def _missing_message(url: str, file_name: str) -> str:
     return f"{url!r}: shard {file_name!r} named by the manifest is missing; the handoff is incomplete, write it again"
 
 
-def _check_bytes(url: str, file_name: str, rec: Mapping[str, Any], size: int, digest: str | None) -> None:
-    if size != rec["size"]:
-        hint = " (truncated?)" if size < rec["size"] else ""
+def _check_bytes(url: str, manifest: Mapping[str, Any], file_name: str, size: int, hexdigest: str | None) -> None:
+    """The shard ``file_name`` has the manifest's size and, when ``hexdigest`` is given, its digest."""
+    expected = manifest["shards"][file_name]["size"]
+    if size != expected:
+        hint = " (truncated?)" if size < expected else ""
         raise HandoffCorruptError(
-            f"{url!r}: shard {file_name!r} is {size} bytes, the manifest says {rec['size']}{hint}; "
+            f"{url!r}: shard {file_name!r} is {size} bytes, the manifest says {expected}{hint}; "
             "the file was changed after it was written, write the handoff again"
         )
-    if digest is not None and digest != rec["sha256"]:
+    if hexdigest is not None and hexdigest != shard_digest(manifest, file_name):
         raise HandoffCorruptError(
-            f"{url!r}: shard {file_name!r} has sha256 {digest}, the manifest says {rec['sha256']}; "
-            "its bytes were changed after it was written, write the handoff again"
+            f"{url!r}: shard {file_name!r} has {digest_of(manifest)} {hexdigest}, the manifest says "
+            f"{shard_digest(manifest, file_name)}; its bytes were changed after it was written, write the handoff again"
         )
 
 
@@ -1089,25 +1109,20 @@ def _read_header(f: IO[bytes], size: int, *, source: str) -> codec.Header:
     return codec.parse_header(prefix + f.read(length), size, source=source)
 
 
-def _hash_file(f: IO[bytes], size: int, source: str) -> tuple[str, int, codec.Header | HandoffCorruptError]:
-    """sha256 of the file open as ``f``, read in chunks up to one byte past ``size`` (so a file that grew shows),
-    the number of bytes read, and its safetensors header: checked, or what is wrong with it (to be raised only
-    once the hash matches, since a changed byte says more)."""
-    digest = hashlib.sha256()
-    prefix = f.read(8)
-    digest.update(prefix)
-    done = len(prefix)
+def _hash_file(
+    f: IO[bytes], size: int, source: str, digest: str
+) -> tuple[str, int, codec.Header | HandoffCorruptError]:
+    """The ``digest`` of the file open as ``f``, read in chunks up to one byte past ``size`` (so a file that grew
+    shows), each hashed while the next is read; the number of bytes read; and its safetensors header: checked,
+    or what is wrong with it (to be raised only once the hash matches, since a changed byte says more)."""
+    head = f.read(8)
     try:
-        raw = f.read(codec.header_length(prefix, size, source=source))
-        digest.update(raw)
-        done += len(raw)
-        header: codec.Header | HandoffCorruptError = codec.parse_header(prefix + raw, size, source=source)
+        head += f.read(codec.header_length(head, size, source=source))
+        header: codec.Header | HandoffCorruptError = codec.parse_header(head, size, source=source)
     except HandoffCorruptError as exc:
         header = exc
-    while done <= size and (chunk := f.read(min(_CHUNK, size + 1 - done))):
-        digest.update(chunk)
-        done += len(chunk)
-    return digest.hexdigest(), done, header
+    rest, hexdigest = _digest.hash_file(f, max(size + 1 - len(head), 0), digest, head=head)
+    return hexdigest, len(head) + rest, header
 
 
 def _verify_shard(
@@ -1120,16 +1135,15 @@ def _verify_shard(
     stop: threading.Event | None,
 ) -> None:
     """Check one shard as a load would, streaming it: a regular file of the folder, of the manifest's size,
-    sha256, header and tensors; memory stays bounded whatever its size."""
+    digest, header and tensors; memory stays bounded whatever its size."""
     url = url_of(fs, root)
-    rec = manifest["shards"][file_name]
     source = f"{url!r}: shard {file_name!r}"
 
     def hashed() -> tuple[str, int, codec.Header | HandoffCorruptError]:
         with open_in(fs, root, file_name, error=HandoffCorruptError, what=source) as f:
             size = size_of(f)
-            _check_bytes(url, file_name, rec, size, None)  # before reading a byte of it
-            return _hash_file(f, size, source)
+            _check_bytes(url, manifest, file_name, size, None)  # before reading a byte of it
+            return _hash_file(f, size, source, digest_of(manifest))
 
     try:
         digest, done, header = _transfer(
@@ -1137,7 +1151,7 @@ def _verify_shard(
         )
     except FileNotFoundError:
         raise _ShardVanished(_missing_message(url, file_name)) from None
-    _check_bytes(url, file_name, rec, done, digest)
+    _check_bytes(url, manifest, file_name, done, digest)
     if isinstance(header, HandoffCorruptError):  # the hash matched, so only a forged manifest gets here
         raise header
     found = {t.name: (t.dtype, list(t.shape)) for t in header.tensors}
@@ -1176,36 +1190,45 @@ def _read_shard(
     stop: threading.Event | None = None,
     verify: bool = True,
 ) -> dict[str, torch.Tensor]:
-    """One shard's tensors, its size and sha256 checked against the manifest before it is parsed (without
-    ``verify``, or for a local file this process has already hashed, its size only, and mapped lazily). The
-    file must be a regular file of the folder, and its size the manifest's before a byte of it is read."""
+    """One shard's tensors, its size and digest checked against the manifest before it is parsed (without
+    ``verify``, or for a local file this process has already hashed, its size only). The file must be a regular
+    file of the folder, and its size the manifest's before a byte of it is read. A local file is mapped, as
+    ``load_file`` maps it, and hashed through the mapping; a remote one is read into memory, each chunk hashed
+    while the next arrives."""
     url = url_of(fs, root)
-    rec = manifest["shards"][file_name]
+    size = manifest["shards"][file_name]["size"]
+    digest, expected = digest_of(manifest), shard_digest(manifest, file_name)
     source = f"{url!r}: shard {file_name!r}"
+    path = join(root, file_name)
 
     import torch
 
     def read() -> tuple[torch.Tensor, str | None]:
         with open_in(fs, root, file_name, error=HandoffCorruptError, what=source) as f:
-            _check_bytes(url, file_name, rec, size_of(f), None)
-            if is_local(fs) and (not verify or _local_shards.known(join(root, file_name), rec["sha256"], f=f)):
-                return _local_shards.map_file(f, rec["size"]), None
+            _check_bytes(url, manifest, file_name, size_of(f), None)
+            if is_local(fs) and (not verify or _local_shards.known(path, digest, expected, f=f)):
+                return _local_shards.map_file(f, size), None
             if is_local(fs):
-                buffer, digest = _local_shards.read_hashed(f, rec["size"])
-                if digest == rec["sha256"] and buffer.numel() == rec["size"]:
-                    _local_shards.remember(join(root, file_name), digest, f=f)
-                return buffer, digest
-            data = f.read(rec["size"] + 1)
-            digest = hashlib.sha256(data).hexdigest()
-            if not data:
-                return torch.empty(0, dtype=torch.uint8), digest
-            return torch.frombuffer(bytearray(data), dtype=torch.uint8), digest
+                buffer, found = _local_shards.map_hashed(f, size, digest)
+                _check_bytes(url, manifest, file_name, size_of(f), None)  # not cut or grown while it was hashed
+                if found == expected:
+                    _local_shards.remember(path, digest, found, f=f)
+                return buffer, found
+            if not verify:
+                data, found = bytearray(f.read(size + 1)), None
+                n = len(data)
+            else:
+                data = bytearray(size + 1)
+                n, found = _digest.read_hashed(f, data, digest)
+            if not n:
+                return torch.empty(0, dtype=torch.uint8), found
+            return torch.frombuffer(data, dtype=torch.uint8)[:n], found
 
     try:
-        buffer, digest = _transfer(read, what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop)
+        buffer, found = _transfer(read, what=f"read shard {file_name!r} of {url!r}", retry=retry, stop=stop)
     except FileNotFoundError:
         raise _ShardVanished(_missing_message(url, file_name)) from None
-    _check_bytes(url, file_name, rec, buffer.numel(), digest)
+    _check_bytes(url, manifest, file_name, buffer.numel(), found)
     tensors = _local_shards.tensors_in(buffer, source=source)  # the hash matched: only a forged manifest fails here
     found = {name: (_dtype_name(t.dtype), list(t.shape)) for name, t in tensors.items()}
     expected = shard_names(manifest["weight_map"], list(manifest["shards"]))[file_name]

@@ -3,7 +3,7 @@
 After a stage every rank holds the whole state dict (``between_stages="cpu"``), so each can write some of
 the shards: write bandwidth, hashing, and the private copies a background write reads from are split across
 ranks, and each rank's writer competes only with its own process for the GIL. Each rank plans alike, from the
-same tensors and the write's key (the shard names' tag), writes its share and posts its shards' hashes, or its
+same tensors and the write's key (the shard names' tag), writes its share and posts its shards' digests, or its
 error, on the job's key-value store; rank 0 commits once it has heard from every writing rank, or deletes
 every shard of the write and fails, leaving the committed handoff as it was. With one writing rank (the
 ranks do not see one folder), rank 0 writes everything.
@@ -91,7 +91,7 @@ def write_share(
         if error is not None:
             posted = {"error": describe(error)}
         else:
-            posted = {f: [r.sha256, r.size] for f, r in records.items()}
+            posted = {f: [r.digest, r.hexdigest, r.size] for f, r in records.items()}
         channel.post(f"shards/{rank}", json.dumps(posted))
         if error is not None:
             raise error
@@ -105,7 +105,9 @@ def write_share(
             if "error" in posted:
                 failures.append(f"rank {r}: {posted['error']}")
             else:
-                records.update({f: ShardRecord(sha256=sha, size=size) for f, (sha, size) in posted.items()})
+                records.update(
+                    {f: ShardRecord(digest=d, hexdigest=h, size=size) for f, (d, h, size) in posted.items()}
+                )
     except BaseException as exc:  # noqa: BLE001 - raised below, once this write's shards are gone
         error = error or exc
     if error is None and not failures:
