@@ -93,7 +93,8 @@ def train(args: argparse.Namespace) -> None:
         manifest = stagesafe.verify(args.handoff_uri, storage_options=options)  # re-hash what is in the store
         meta = manifest["metadata"]
         print(f"job A: fit on {meta['world_size']} ranks wrote {args.handoff_uri} at step {meta['global_step']}: "
-              f"{len(manifest['shards'])} shard(s), {manifest['total_size']} bytes, {manifest['digest']} verified")
+              f"{len(manifest['shards'])} shard(s), {manifest['total_size']} bytes, "
+              f"{manifest.get('digest', 'sha256')} verified")
 
 
 def test(args: argparse.Namespace) -> None:

@@ -23,6 +23,9 @@ setup() {
 }
 
 export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
+# DeepSpeed JIT-builds its CPU comm op once per environment; a folder per venv keeps two checkouts from
+# rebuilding each other's (the build is keyed by the source path)
+export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 case "${1:-}" in
     demo) setup; exec "$VENV/bin/python" examples/stage_sequence.py "${@:2}" ;;

@@ -213,7 +213,7 @@ def zero_checkpoints(
     """Build the checkpoints of ``specs`` under ``root`` with real DeepSpeed ranks (gloo, CPU), once per process.
 
     Returns ``{name: {"path", "stage", "dtype", "layout"}}``. One launch builds them all (about 8 s, plus about
-    30 s the first time DeepSpeed compiles its shared-memory op into ~/.cache/torch_extensions).
+    30 s the first time DeepSpeed compiles its shared-memory op, into the venv's folder: tests/conftest.py).
     """
     script = os.path.join(SCRIPTS, "make_zero_checkpoint.py")
     results = run_ranks(script, [root, *specs], world_size=world_size, timeout=timeout)

@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 
 import pytest
+
+# DeepSpeed JIT-builds its CPU comm op once per environment; a folder per venv keeps two checkouts from rebuilding
+# each other's (the build is keyed by the source path). The processes the tests start inherit it.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
 
 # Fixtures that run Trainer or DeepSpeed jobs (seconds to minutes): the tests that use them are left out of the
 # fast tier (scripts/dev.sh test-fast).
