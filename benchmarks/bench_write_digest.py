@@ -119,8 +119,7 @@ def main() -> None:
         median = statistics.median(rates)
         pace = statistics.median(n / s for n, s in zip(steps[name], runs))
         print(f"| {name} | {', '.join(f'{r:.2f}' for r in rates)} | {median:.2f}, {median / disk * 100:.0f}% | "
-              f"{pace:.0f} |" if pace else f"| {name} | {', '.join(f'{r:.2f}' for r in rates)} | {median:.2f}, "
-              f"{median / disk * 100:.0f}% | - |")
+              f"{f'{pace:.0f}' if pace else '-'} |")
     print(f"\nreproduce: python benchmarks/bench_write_digest.py --gb {args.gb} --rounds {args.rounds} "
           f"--digests {args.digests} --trainer-threads {args.trainer_threads}")
 

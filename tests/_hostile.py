@@ -160,65 +160,54 @@ def write_zero_checkpoint(
 
 # -- what the process opens ------------------------------------------------------------------------------------------
 
-_recording: list[list[str]] = []
+_recorders: list[tuple[Callable[[str, tuple], str | None], list[str]]] = []
 _lock = threading.Lock()
 _hooked = False
 
 
 def _hook(event: str, args: tuple) -> None:
-    if event == "open" and _recording and args and isinstance(args[0], (str, bytes, os.PathLike)):
-        path = os.fsdecode(args[0])
+    if _recorders:
         with _lock:
-            for paths in _recording:
-                paths.append(path)
+            for keep, into in _recorders:
+                kept = keep(event, args)
+                if kept is not None:
+                    into.append(kept)
 
 
 @contextlib.contextmanager
-def opened_files() -> Iterator[list[str]]:
-    """Record the path of every file opened (``open``, ``os.open``, ``io.open``) while the block runs."""
+def _recording(keep: Callable[[str, tuple], str | None]) -> Iterator[list[str]]:
+    """What ``keep`` makes of each audit event raised while the block runs (``None``: nothing). One audit hook
+    serves every recorder: a hook cannot be removed."""
     global _hooked
     if not _hooked:
-        sys.addaudithook(_hook)  # once per process: a hook cannot be removed
+        sys.addaudithook(_hook)
         _hooked = True
-    paths: list[str] = []
+    found: list[str] = []
     with _lock:
-        _recording.append(paths)
+        _recorders.append((keep, found))
     try:
-        yield paths
+        yield found
     finally:
         with _lock:
-            _recording.remove(paths)
+            _recorders.remove((keep, found))
 
 
-_events: list[list[str]] = []
+def _opened_path(event: str, args: tuple) -> str | None:
+    if event == "open" and args and isinstance(args[0], (str, bytes, os.PathLike)):
+        return os.fsdecode(args[0])
+    return None
 
 
-def _every_event(event: str, args: tuple) -> None:
-    if _events:
-        with _lock:
-            for events in _events:
-                events.append(event)
+def opened_files() -> contextlib.AbstractContextManager[list[str]]:
+    """Record the path of every file opened (``open``, ``os.open``, ``io.open``) while the block runs."""
+    return _recording(_opened_path)
 
 
-@contextlib.contextmanager
-def audit_events() -> Iterator[list[str]]:
+def audit_events() -> contextlib.AbstractContextManager[list[str]]:
     """Record every audit event the process raises while the block runs (``os.system``, ``exec``, ``import``,
     ``open``, ``subprocess.Popen``, ...): what running code a file names would show."""
-    global _every_hooked
-    if not _every_hooked:
-        sys.addaudithook(_every_event)
-        _every_hooked = True
-    events: list[str] = []
-    with _lock:
-        _events.append(events)
-    try:
-        yield events
-    finally:
-        with _lock:
-            _events.remove(events)
+    return _recording(lambda event, args: event)
 
-
-_every_hooked = False
 
 
 def outside(paths: list[str], folder: str) -> list[str]:
