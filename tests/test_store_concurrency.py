@@ -93,3 +93,38 @@ def test_readers_never_take_a_handoff_being_replaced_for_a_damaged_one(tmp_path)
         writer.join(60)
     assert corrupt == [], f"{len(corrupt)} of {checks} reads called a healthy handoff damaged: {corrupt[0]}"
     assert checks > 10
+
+
+def _replace_before_open(monkeypatch, path: str, times: int) -> list[int]:
+    """Rename a copy of ``path`` over it just before each of its first ``times`` opens: the window between a
+    reader's check of the file and its open, where a writer's commit lands, made certain instead of likely."""
+    real_open, swaps = os.open, []
+
+    def open_after_a_commit(file, flags, *args, **kwargs):
+        if os.fspath(file) == path and len(swaps) < times:
+            copy = path + ".next"
+            with open(path, "rb") as src, open(copy, "wb") as dst:
+                dst.write(src.read())
+            os.replace(copy, path)  # a new inode under the same name, as a commit leaves it
+            swaps.append(1)
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", open_after_a_commit)
+    return swaps
+
+
+def test_a_manifest_committed_between_the_check_and_the_open_is_opened_again(tmp_path, monkeypatch):
+    uri = str(tmp_path / "handoff")
+    stagesafe.save_state_dict(_state(0), uri)
+    swaps = _replace_before_open(monkeypatch, os.path.realpath(os.path.join(uri, "stagesafe.json")), times=2)
+    loaded = stagesafe.load_state_dict(uri)
+    assert len(swaps) == 2
+    assert all(torch.equal(loaded[k], v) for k, v in _state(0).items())
+
+
+def test_a_file_replaced_at_every_open_is_refused_naming_the_race(tmp_path, monkeypatch):
+    uri = str(tmp_path / "handoff")
+    stagesafe.save_state_dict(_state(0), uri)
+    _replace_before_open(monkeypatch, os.path.realpath(os.path.join(uri, "stagesafe.json")), times=10**6)
+    with pytest.raises(HandoffCorruptError, match="replaced 3 times while being opened"):
+        stagesafe.read_manifest(uri)

@@ -23,6 +23,8 @@ from stagesafe.handoff.fs import is_local, join
 
 __all__ = ["open_in", "open_local", "read_in", "size_of"]
 
+_OPEN_ROUNDS = 3  # opens started over because the file was replaced between its check and its open
+
 _FLAGS = (
     os.O_RDONLY
     | getattr(os, "O_NONBLOCK", 0)  # a FIFO opens at once instead of waiting for a writer
@@ -76,8 +78,27 @@ def size_of(f: IO[bytes]) -> int:
 
 def open_local(root: str, name: str, *, error: type[StageSafeError], what: str) -> IO[bytes]:
     """:func:`open_in` for a folder on the local disk: ``root/name`` opened unbuffered, if it is a regular file
-    inside ``root`` once symbolic links are followed; ``os.fstat(f.fileno())`` is the file checked."""
+    inside ``root`` once symbolic links are followed; ``os.fstat(f.fileno())`` is the file checked.
+
+    A file replaced between the check and the open (a writer committing a new manifest by renaming it over the
+    old one) is checked and opened again, a few times, before it is refused."""
     _check_name(name, error=error, what=what)
+    for _ in range(_OPEN_ROUNDS - 1):
+        try:
+            return _open_checked(root, name, error=error, what=what)
+        except _Replaced:
+            continue
+    try:
+        return _open_checked(root, name, error=error, what=what)
+    except _Replaced:
+        raise error(f"{what} was replaced {_OPEN_ROUNDS} times while being opened; it was not read") from None
+
+
+class _Replaced(Exception):
+    """The file at the path is no longer the one that was checked."""
+
+
+def _open_checked(root: str, name: str, *, error: type[StageSafeError], what: str) -> IO[bytes]:
     path = os.path.join(root, name)
     os.lstat(path)  # FileNotFoundError for a missing file (a dangling link too is checked below)
     folder = os.path.realpath(root)
@@ -99,7 +120,7 @@ def open_local(root: str, name: str, *, error: type[StageSafeError], what: str) 
     try:
         opened = os.fstat(fd)
         if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
-            raise error(f"{what} was replaced while being opened; it was not read")
+            raise _Replaced()
         return os.fdopen(fd, "rb", buffering=0)
     except BaseException:
         os.close(fd)

@@ -21,6 +21,7 @@ from torch import nn
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, StaleDeepSpeedStateError
 from stagesafe.handoff.store import HandoffReader, check_present, plan_handoff, save_state_dict, save_streamed
 from stagesafe.lightning import dist
+from stagesafe.lightning.agree import JobChannel
 from stagesafe.lightning.history import (
     HandoffTarget,
     ModuleHistory,
@@ -213,13 +214,21 @@ class StageBoundary:
 
     # -- leaving ----------------------------------------------------------------------------------------------
     def exit(
-        self, engine: Any | None, *, trained: bool, weights_from: Mapping[str, Any], gather: bool, background: bool
+        self,
+        engine: Any | None,
+        *,
+        trained: bool,
+        weights_from: Mapping[str, Any],
+        gather: bool,
+        background: bool,
+        call: JobChannel,
     ) -> BoundaryReport:
         """Take the stage's weights, destroy the engine, restore the module, and have the handoff written.
 
         ``gather``: every rank is here (the stage ended, or failed, on all of them), so weights may be gathered
         from the engine; without it a rank keeps the weights the stage started with. ``background``: the
-        write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit).
+        write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit). ``call``: the
+        keys of this Trainer call in the job's store.
         ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
         """
         start = time.perf_counter()
@@ -276,7 +285,8 @@ class StageBoundary:
                 host.unlock()
         elif values is not None and not history.holds(self.target, restored):
             write_failure = self._publish(
-                history, values, restored, gathered, host, gather=gather, background=background and not self.meta
+                history, values, restored, gathered, host, gather=gather, background=background and not self.meta,
+                call=call,
             )
             failure = failure or write_failure
         elif host is not None:
@@ -328,22 +338,24 @@ class StageBoundary:
         *,
         gather: bool,
         background: bool,
+        call: JobChannel,
     ) -> BaseException | None:
         """Have the handoff written (returns a failure to raise). With every rank here, the writer writes it,
-        in the background or not; otherwise rank 0 writes it alone, now, and every rank forgets whether the
-        handoff holds the weights, so that the next stage, in step again, writes it once more."""
+        in the background or not; otherwise rank 0 writes it alone, now (``wait_for_handoff()`` on the other
+        ranks waits for it), and every rank forgets whether the handoff holds the weights, so that the next
+        stage, in step again, writes it once more."""
         if not gather:
             self.report.wrote = True
             if host is not None:
                 host.unlock()
             history.lost()
-            if dist.rank() != 0:
-                return None
-            try:
-                save_state_dict(values, self.target.uri, max_shard_size=self.target.max_shard_size, overwrite=True,
-                                metadata=self._metadata(history), storage_options=self.target.storage_options)
-            except BaseException as exc:  # noqa: BLE001 - the stage's own failure is raised; this one is logged
-                log.error("stagesafe: could not write the handoff %s after the stage failed: %s", self.target.uri, exc)
+            target, metadata = self.target, self._metadata(history)
+            self.writer.write_alone(
+                lambda: save_state_dict(values, target.uri, max_shard_size=target.max_shard_size, overwrite=True,
+                                        metadata=metadata, storage_options=target.storage_options),
+                target.uri,
+                call.sub("alone"),
+            )
             return None
         self._start_write(history, values, restored, gathered=gathered, host=host, background=background)
         if background:

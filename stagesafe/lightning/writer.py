@@ -97,6 +97,7 @@ class HandoffWriter:
         self.timeout = timeout
         self._count = 0
         self._write: _Write | None = None
+        self._alone: tuple[JobChannel, str] | None = None  # rank 0's lone write after a failed call, not yet awaited
         self._exit_hook = False
 
     @property
@@ -193,6 +194,36 @@ class HandoffWriter:
             request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
         write.finished.set()
 
+    def write_alone(self, write: Callable[[], None], uri: str, channel: JobChannel) -> None:
+        """After a Trainer call that failed on some rank, when no rank may wait for another inside the call:
+        rank 0 writes the handoff now, alone, and posts how it went under ``channel``; a failure is logged (the
+        stage's own error is the one raised). The other ranks only note it: :meth:`join` (``wait_for_handoff()``)
+        waits for rank 0's word, so that a reader on any rank sees the committed handoff. The exit does not
+        wait: a rank that failed must not stay for one still stuck in a collective."""
+        if self.rank != 0:
+            self._alone = (channel, uri)
+            return
+        try:
+            write()
+            outcome = "ok"
+        except BaseException as exc:  # noqa: BLE001 - the stage's own failure is raised; this one is logged
+            log.error("stagesafe: could not write the handoff %s after the stage failed: %s", uri, exc)
+            outcome = f"failed: {describe(exc)}"
+        channel.post("outcome", outcome)
+
+    def _wait_for_alone(self) -> None:
+        """Wait for rank 0's word on its lone write (it first leaves a collective that may last the timeout)."""
+        alone, self._alone = self._alone, None
+        if alone is None:
+            return
+        channel, uri = alone
+        channel.wait(["outcome"], what=f"rank 0's write of the handoff {uri!r} after the failed call",
+                     timeout=2 * self.timeout)
+        outcome = channel.get("outcome")
+        if outcome != "ok":
+            log.error("stagesafe: rank 0 could not write the handoff %s after the stage failed: %s", uri,
+                      quoted(outcome.removeprefix("failed: ")))
+
     # -- joining ------------------------------------------------------------------------------------------
     def call_returned(self) -> None:
         """The Trainer call that started the write has returned: its host memory may be unlocked now."""
@@ -224,6 +255,7 @@ class HandoffWriter:
     def join(self) -> Commit | None:
         """Block until the write is committed or failed (every rank calls this); raise a failure on every
         rank. Returns rank 0's :class:`Commit`."""
+        self._wait_for_alone()
         write, self._write = self._write, None
         if write is None:
             return None
