@@ -394,8 +394,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         failed = trainer is None or trainer.state.status != TrainerStatus.RUNNING
         assert self._writer is not None
         grace = min(_FAILURE_GRACE, self._writer.timeout)
-        call = self._writer.channel.sub(f"call-{self._calls}")
-        ending = agree_on_ending(call, failed=failed, grace=grace)
+        ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=grace)
         if ending.failed or ending.broken:  # the next call meets first; its collectives may find the group broken
             self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
         try:
@@ -405,7 +404,6 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 weights_from=self._weights_from(trainer) if trainer is not None else {},
                 gather=ending.gather,
                 background=not failed,
-                call=call,
             )
         except Exception as exc:
             if not failed:

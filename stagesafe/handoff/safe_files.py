@@ -83,15 +83,12 @@ def open_local(root: str, name: str, *, error: type[StageSafeError], what: str) 
     A file replaced between the check and the open (a writer committing a new manifest by renaming it over the
     old one) is checked and opened again, a few times, before it is refused."""
     _check_name(name, error=error, what=what)
-    for _ in range(_OPEN_ROUNDS - 1):
+    for _ in range(_OPEN_ROUNDS):
         try:
             return _open_checked(root, name, error=error, what=what)
         except _Replaced:
-            continue
-    try:
-        return _open_checked(root, name, error=error, what=what)
-    except _Replaced:
-        raise error(f"{what} was replaced {_OPEN_ROUNDS} times while being opened; it was not read") from None
+            pass
+    raise error(f"{what} was replaced {_OPEN_ROUNDS} times while being opened; it was not read")
 
 
 class _Replaced(Exception):

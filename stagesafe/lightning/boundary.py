@@ -21,7 +21,6 @@ from torch import nn
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, StaleDeepSpeedStateError
 from stagesafe.handoff.store import HandoffReader, check_present, plan_handoff, save_state_dict, save_streamed
 from stagesafe.lightning import dist
-from stagesafe.lightning.agree import JobChannel
 from stagesafe.lightning.history import (
     HandoffTarget,
     ModuleHistory,
@@ -214,21 +213,13 @@ class StageBoundary:
 
     # -- leaving ----------------------------------------------------------------------------------------------
     def exit(
-        self,
-        engine: Any | None,
-        *,
-        trained: bool,
-        weights_from: Mapping[str, Any],
-        gather: bool,
-        background: bool,
-        call: JobChannel,
+        self, engine: Any | None, *, trained: bool, weights_from: Mapping[str, Any], gather: bool, background: bool
     ) -> BoundaryReport:
         """Take the stage's weights, destroy the engine, restore the module, and have the handoff written.
 
         ``gather``: every rank is here (the stage ended, or failed, on all of them), so weights may be gathered
         from the engine; without it a rank keeps the weights the stage started with. ``background``: the
-        write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit). ``call``: the
-        keys of this Trainer call in the job's store.
+        write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit).
         ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
         """
         start = time.perf_counter()
@@ -285,8 +276,7 @@ class StageBoundary:
                 host.unlock()
         elif values is not None and not history.holds(self.target, restored):
             write_failure = self._publish(
-                history, values, restored, gathered, host, gather=gather, background=background and not self.meta,
-                call=call,
+                history, values, restored, gathered, host, gather=gather, background=background and not self.meta
             )
             failure = failure or write_failure
         elif host is not None:
@@ -338,7 +328,6 @@ class StageBoundary:
         *,
         gather: bool,
         background: bool,
-        call: JobChannel,
     ) -> BaseException | None:
         """Have the handoff written (returns a failure to raise). With every rank here, the writer writes it,
         in the background or not; otherwise rank 0 writes it alone, now (``wait_for_handoff()`` on the other
@@ -354,7 +343,6 @@ class StageBoundary:
                 lambda: save_state_dict(values, target.uri, max_shard_size=target.max_shard_size, overwrite=True,
                                         metadata=metadata, storage_options=target.storage_options),
                 target.uri,
-                call.sub("alone"),
             )
             return None
         self._start_write(history, values, restored, gathered=gathered, host=host, background=background)

@@ -194,12 +194,15 @@ class HandoffWriter:
             request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
         write.finished.set()
 
-    def write_alone(self, write: Callable[[], None], uri: str, channel: JobChannel) -> None:
-        """After a Trainer call that failed on some rank, when no rank may wait for another inside the call:
-        rank 0 writes the handoff now, alone, and posts how it went under ``channel``; a failure is logged (the
-        stage's own error is the one raised). The other ranks only note it: :meth:`join` (``wait_for_handoff()``)
-        waits for rank 0's word, so that a reader on any rank sees the committed handoff. The exit does not
-        wait: a rank that failed must not stay for one still stuck in a collective."""
+    def write_alone(self, write: Callable[[], None], uri: str) -> None:
+        """After a Trainer call that failed on some rank, when no rank may wait for another inside the call
+        (every rank calls this, in step, as it calls :meth:`start`): rank 0 writes the handoff now, alone, and
+        posts how it went; a failure is logged (the stage's own error is the one raised). The other ranks only
+        note it: :meth:`join` (``wait_for_handoff()``) waits for rank 0's word, so that a reader on any rank
+        sees the committed handoff. The exit does not wait: a rank that failed must not stay for one still
+        stuck in a collective."""
+        self._count += 1
+        channel = self._channel.sub(f"write-{self._count}")
         if self.rank != 0:
             self._alone = (channel, uri)
             return
