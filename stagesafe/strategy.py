@@ -31,11 +31,11 @@ from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.lightning.agree import Ending, JobChannel, agree_on_ending
 from stagesafe.lightning.boundary import BoundaryReport, StageBoundary
 from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy
-from stagesafe.lightning.history import HandoffTarget, history_of
+from stagesafe.lightning.history import HandoffTarget, KeptTraining, history_of, state_tensors
 from stagesafe.lightning.location import Location, agree_on_location
 from stagesafe.lightning.writer import HandoffWriter
 from stagesafe.zero import engine as zero
-from stagesafe.zero.checkpoint_writer import is_weights_only, write_zero_checkpoint
+from stagesafe.zero.checkpoint_writer import is_weights_only, write_engine_checkpoint, write_zero_checkpoint
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
@@ -70,6 +70,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             copies) and joined by the next stage, by :meth:`wait_for_handoff`, or at interpreter exit (which
             then fails the process if the write fails). ``True``: each call returns once its handoff is
             committed.
+        keep_optimizer_state: ``True`` (default): at the end of ``fit`` each rank keeps its partition of the
+            optimizer state (moments, step counts, loss scaler) and the lr schedulers' states in host memory,
+            so that ``trainer.save_checkpoint(path)`` between calls writes what DeepSpeed writes during a stage
+            and ``fit(ckpt_path=path)`` continues exactly. ``False`` saves that host memory; such a checkpoint
+            then holds weights only, and ``save_checkpoint`` warns.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -83,6 +88,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         resume_from: Optional[str] = None,
         between_stages: str = "cpu",
         wait_for_write: bool = False,
+        keep_optimizer_state: bool = True,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
@@ -108,6 +114,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         if not isinstance(wait_for_write, bool):
             raise TypeError(f"wait_for_write must be True or False, got {wait_for_write!r}")
         self.wait_for_write = wait_for_write
+        if not isinstance(keep_optimizer_state, bool):
+            raise TypeError(f"keep_optimizer_state must be True or False, got {keep_optimizer_state!r}")
+        self.keep_optimizer_state = keep_optimizer_state
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None
@@ -151,6 +160,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             training=trainer.state.fn == TrainerFn.FITTING,
             device=self.root_device,
             fresh=self._fresh,
+            keep_optimizer_state=self.keep_optimizer_state,
+            exclude_frozen=self.exclude_frozen_parameters,
         )
         self._fresh = set()
         resume = None
@@ -298,8 +309,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): the same folder layout,
-        written by rank 0 from the module's weights, which DeepSpeed's tools and a later ``ckpt_path`` read."""
+        """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): the files the last
+        ``fit``'s engine would have written at its end (every rank its own, optimizer state included), kept
+        since; without them (a module changed since, ``keep_optimizer_state=False``), the same folder layout
+        with weights only, written by rank 0, with a warning that names what is missing."""
         if self._engine_is_live:
             super().save_checkpoint(checkpoint, filepath, storage_options)
             return
@@ -310,13 +323,44 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 f"`{type(self).__name__}` as `CheckpointIO` is not used."
             )
         module = self.lightning_module
-        if self.is_global_zero and module is not None:
+        if module is None:
+            return
+        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        kept, missing = self._kept_training(module)
+        if kept is not None:
+            assert kept.checkpoint is not None
+            client["lr_schedulers"] = kept.lr_schedulers
+            write_engine_checkpoint(
+                os.fspath(filepath), kept.checkpoint, client_state=client, latest=self.is_global_zero
+            )
+            self.barrier("stagesafe: checkpoint written")
+            return
+        if checkpoint.get("loops") is not None:  # a training checkpoint (weights-only ones have no loops)
+            rank_zero_warn(
+                f"trainer.save_checkpoint({os.fspath(filepath)!r}) between Trainer calls writes the weights but no "
+                f"optimizer state, lr scheduler or loss scaler: {missing}. A later fit(ckpt_path=...) starts the "
+                "optimizer afresh from these weights."
+            )
+        if self.is_global_zero:
             values = self._weights_between_stages(module)
-            client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             write_zero_checkpoint(
                 os.fspath(filepath), module, values=values, zero_stage=self._zero_stage, client_state=client,
                 exclude_frozen=self.exclude_frozen_parameters,
             )
+
+    def _kept_training(self, module: Module) -> tuple[Optional[KeptTraining], str]:
+        """The last fit's kept engine state where it still belongs to the module's weights, else why not."""
+        history = history_of(module)
+        kept = history.kept if history is not None else None
+        if kept is None:
+            return None, "no fit under StageSafeDeepSpeedStrategy has trained this module's weights in this process"
+        if kept.checkpoint is None:
+            return None, kept.missing
+        if not kept.holds(state_tensors(module)):
+            return None, "the module's weights changed since the last fit ended, and its optimizer state with them"
+        if kept.world_size != self.world_size:
+            return None, f"it was kept by {kept.world_size} rank(s) and this job has {self.world_size}"
+        return kept, ""
 
     def _weights_between_stages(self, module: Module) -> Optional[Mapping[str, Any]]:
         """None when the module holds its weights; its handoff's when it holds meta tensors."""
@@ -404,6 +448,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 weights_from=self._weights_from(trainer) if trainer is not None else {},
                 gather=ending.gather,
                 background=not failed,
+                lr_schedulers=[config.scheduler.state_dict() for config in self.lr_scheduler_configs],
             )
         except Exception as exc:
             if not failed:

@@ -1,17 +1,20 @@
 """One Trainer call's passage through a DeepSpeed engine: enter, engine built, exit.
 
 Knows nothing of Lightning. ``enter`` refuses a module with stale DeepSpeed state; ``engine_built`` loads the
-exact fp32 values into the engine's masters; ``exit`` takes the weights the stage ends with (the fp32 masters
-after training), destroys the engine, gives the module back plain tensors in the dtype and device it had
-before its first stage, and has the handoff written when it does not hold them yet (by the strategy's
-:class:`~stagesafe.lightning.writer.HandoffWriter`, in the background unless asked otherwise).
+exact fp32 values into the engine's masters (the kept fp32 masters where the module holds 16 bits); ``exit``
+takes the weights the stage ends with (the fp32 masters after training), keeps what the engine held beyond
+them (:class:`~stagesafe.lightning.history.KeptTraining`: masters of 16-bit parameters, the optimizer's
+partition), destroys the engine, gives the module back plain tensors in the dtype and device it had before its
+first stage, and has the handoff (fp32 wherever training had masters) written when it does not hold them yet
+(by the strategy's :class:`~stagesafe.lightning.writer.HandoffWriter`, in the background unless asked otherwise).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +26,7 @@ from stagesafe.handoff.store import HandoffReader, check_present, plan_handoff, 
 from stagesafe.lightning import dist
 from stagesafe.lightning.history import (
     HandoffTarget,
+    KeptTraining,
     ModuleHistory,
     fingerprint,
     history_of,
@@ -87,11 +91,15 @@ class StageBoundary:
         training: bool = False,
         device: torch.device | None = None,
         fresh: set[int] = frozenset(),
+        keep_optimizer_state: bool = True,
+        exclude_frozen: bool = False,
     ) -> None:
         """``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
         engine's partitions from the handoff, read one shard at a time. ``training``: the stage trains on
         ``device``, so host memory for its end is prepared while it runs. ``fresh``: ids of the parameters
-        (whose values only the engine has) and floating buffers ``zero.Init`` built in this call."""
+        (whose values only the engine has) and floating buffers ``zero.Init`` built in this call.
+        ``keep_optimizer_state``: a training stage's end keeps this rank's files of DeepSpeed's checkpoint
+        (``exclude_frozen``: without frozen parameters, as ``save_checkpoint`` would)."""
         self.module = module
         self.target = target
         self.stage = stage
@@ -100,6 +108,9 @@ class StageBoundary:
         self.training = training
         self.device = device
         self._fresh = set(fresh)
+        self._keep_optimizer_state = keep_optimizer_state
+        self._exclude_frozen = exclude_frozen
+        self._masters: dict[str, torch.Tensor] = {}  # kept fp32 masters of the 16-bit tensors the stage starts with
         self._fresh_names: set[str] = set()
         self._materialize = materialize
         self._host: HostBuffers | None = None
@@ -145,13 +156,15 @@ class StageBoundary:
         self._still_there(history, on_meta)
         self._footprint = zero.take_footprint(self.module, fresh=self._fresh)
         self._entry = {n: t for n, t in tensors.items() if n not in self._fresh_names}
+        if history.kept is not None and not on_meta:
+            self._masters = history.kept.masters_for(self._entry)
         if self.training and not on_meta and not self.meta:
             self._host = self._prepare_host(tensors)
         if not self.training and not on_meta and not self._fresh_names and not history.holds(self.target, tensors):
             # An inference stage ends with the weights it started with: write them while it runs, from the
             # tensors this boundary keeps (the engine computes on copies of its own); its end joins the write.
             self._join_last_write()
-            entry = {n: t.to("cpu") for n, t in self._entry.items()}
+            entry = {n: t.to("cpu") for n, t in {**self._entry, **self._masters}.items()}
             self._start_write(history, entry, tensors, gathered=None, host=None, background=False)
         if on_meta:  # feed the engine from the handoff one shard, one submodule at a time
             source = history.target
@@ -203,7 +216,7 @@ class StageBoundary:
     def engine_built(self, *, training: bool) -> None:
         """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights."""
         if training and self._entry is not None:
-            entry = self._entry
+            entry = {**self._entry, **self._masters} if self._masters else self._entry  # a handoff reader stays lazy
             dist.all_ranks(lambda: zero.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
 
     def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
@@ -213,14 +226,23 @@ class StageBoundary:
 
     # -- leaving ----------------------------------------------------------------------------------------------
     def exit(
-        self, engine: Any | None, *, trained: bool, weights_from: Mapping[str, Any], gather: bool, background: bool
+        self,
+        engine: Any | None,
+        *,
+        trained: bool,
+        weights_from: Mapping[str, Any],
+        gather: bool,
+        background: bool,
+        lr_schedulers: Sequence[Mapping[str, Any]] = (),
     ) -> BoundaryReport:
-        """Take the stage's weights, destroy the engine, restore the module, and have the handoff written.
+        """Take the stage's weights, keep what the engine held beyond them, destroy the engine, restore the
+        module, and have the handoff written.
 
         ``gather``: every rank is here (the stage ended, or failed, on all of them), so weights may be gathered
         from the engine; without it a rank keeps the weights the stage started with. ``background``: the
         write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit).
         ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
+        ``lr_schedulers``: the trainer's lr scheduler states, kept beside the optimizer's.
         """
         start = time.perf_counter()
         mark = _PhaseClock(self.report.phases)
@@ -261,15 +283,28 @@ class StageBoundary:
         except BaseException as exc:  # noqa: BLE001 - the module falls back to the weights it started with
             failure, values, gathered = failure or exc, None, None
         mark("consolidate")
+        new_weights = engine is not None and trained and gather and (streamed or values is not None)
+        checkpoint, missing = self._engine_checkpoint(engine) if new_weights else (None, "")
+        mark("keep_engine_state")
         if engine is not None:
             zero.destroy_engine(engine)
         zero.strip_deepspeed_state(self.module, self._footprint)
         mark("destroy")
+        masters = self._masters
         if values is None and not streamed and (not self.meta or not self._in_handoff(history)):
             values = self._entry_values(history)  # unchanged; a meta module's weights must be in a handoff first
+        elif values is not None:
+            masters = {n: v for n, v in values.items() if v.dtype != history.original[n][0]}  # fp32, 16-bit module
         if values is not None:
             self._restore(values, history)
+            values = {**values, **{n: m for n, m in masters.items() if n in values}}  # the handoff's: fp32 masters
         restored = state_tensors(self.module)
+        if new_weights:
+            history.kept = KeptTraining(
+                fingerprint(restored), masters={} if self.meta else masters, checkpoint=checkpoint,
+                lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=dist.world_size(),
+                missing=missing,
+            )
         if write_failed:
             history.lost()  # the next stage writes the handoff
             if host is not None:
@@ -301,8 +336,11 @@ class StageBoundary:
         values, self._meta_values = self._meta_values, None
         if values is None:
             return
+        before = fingerprint(state_tensors(self.module))
         assign_values(self.module, values)
         assert self.history is not None
+        if self.history.kept is not None:
+            self.history.kept.moved(before, state_tensors(self.module))
         if self.report.wrote or self.history.target is None:
             self.history.target = self.target
         self.history.fingerprint = fingerprint(state_tensors(self.module))
@@ -314,6 +352,19 @@ class StageBoundary:
         _join_elsewhere(self.history, self.writer)
         if self.writer.pending:
             self.writer.join()
+
+    def _engine_checkpoint(self, engine: Any) -> tuple[dict[str, dict[str, Any]] | None, str]:
+        """This rank's files of DeepSpeed's checkpoint at the stage's end, or None and why there are none."""
+        if not self._keep_optimizer_state:
+            return None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls"
+        try:
+            files = zero.checkpoint_files(engine, exclude_frozen=self._exclude_frozen)
+        except Exception as exc:  # noqa: BLE001 - the weights are what must not be lost; this is said at saving
+            log.warning("stagesafe: could not keep the optimizer state at the end of %s: %s", self.stage, exc)
+            return None, f"keeping it at the end of {self.stage} failed ({type(exc).__name__}: {exc})"
+        if files is None:
+            return None, "DeepSpeed holds part of it outside its checkpoint files here (NVMe offload or MoE layers)"
+        return files, ""
 
     def _in_handoff(self, history: ModuleHistory) -> bool:
         return history.target == self.target and history.fingerprint is not None
@@ -407,12 +458,14 @@ class StageBoundary:
         """Gather and write one tensor at a time (rank 0 writes, every rank joins each gather), so host memory
         stays near one tensor; used when the module lives on the meta device between stages."""
         specs, aliases = zero.full_specs(self.module)
+        masters = self._master_names(history)
         specs = {
-            n: {"dtype": str(history.original[n][0]).removeprefix("torch."), "shape": list(shape)}
+            n: {"dtype": "float32" if n in masters else str(history.original[n][0]).removeprefix("torch."),
+                "shape": list(shape)}
             for n, (shape, _) in specs.items()
             if n in history.original
         }
-        gathered = zero.GatheredValues(self.module, self._to_original(history))
+        gathered = zero.GatheredValues(self.module, self._to_handoff(history, masters))
         order = [n for n in specs if n not in aliases]
         asked: list[str] = []
 
@@ -456,7 +509,7 @@ class StageBoundary:
         specs, aliases = zero.full_specs(self.module)
         gathered = zero.GatheredValues(
             self.module,
-            self._to_original(history),
+            self._to_handoff(history, self._master_names(history) if trained else set()),
             into=host.existing if host is not None else None,
             also_into=host.fresh if host is not None else None,
         )
@@ -472,12 +525,25 @@ class StageBoundary:
         gathered.synchronize()
         return {n: values[n] for n in history.original if n in values}, gathered
 
-    def _to_original(self, history: ModuleHistory) -> Callable[[str, torch.Tensor], torch.Tensor]:
-        """Cast an engine value to the module's original dtype; an unchanged 16-bit value gives back the exact
-        value the stage started from, not a round trip through 16 bits."""
+    def _master_names(self, history: ModuleHistory) -> set[str]:
+        """Parameters whose fp32 masters the live engine holds while the module holds them in 16 bits (built
+        in ``configure_model`` under bf16-mixed, or a 16-bit module): the handoff takes the masters."""
+        return {
+            name
+            for name, param in self.module.named_parameters(remove_duplicate=False)
+            if name in history.original and history.original[name][0] in (torch.bfloat16, torch.float16)
+            and zero.has_fp32_master(param)
+        }
+
+    def _to_handoff(self, history: ModuleHistory, masters: set[str]) -> Callable[[str, torch.Tensor], torch.Tensor]:
+        """What the handoff holds of an engine value: the fp32 master of a name in ``masters``, else the value
+        in the module's original dtype; an unchanged 16-bit value gives back the exact value the stage started
+        from, not a round trip through 16 bits."""
         entry = self._entry or {}
 
         def to_original(name: str, value: torch.Tensor) -> torch.Tensor:
+            if name in masters:
+                return value.to(torch.float32)
             dtype = history.original.get(name, (value.dtype, None))[0]
             if value.dtype != dtype:
                 before = entry.get(name)
@@ -496,13 +562,16 @@ class StageBoundary:
         specs, aliases = self._entry_specs(tensors)
         trainable = {n for n, p in self.module.named_parameters() if p.requires_grad}  # tied: first name only
         fp32 = {n for n in trainable if self.history.original[n][0] == torch.float32}
+        sixteen = {n for n in trainable if self.history.original[n][0] in (torch.bfloat16, torch.float16)}
         into = {n: tensors[n] for n in fp32 - self._fresh_names if tensors[n].device.type == "cpu"
                 and tensors[n].dtype == torch.float32}
-        new = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in fp32 & self._fresh_names}
+        new = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in (fp32 & self._fresh_names) | sixteen}
         if not into and not new:
             return None
         written_here = self._names_this_rank_writes(specs, aliases)
-        private = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in [*into, *new] if n in written_here}
+        # a 16-bit parameter's master stays stagesafe's own (the module gets a cast): no private copy needed
+        private = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in [*into, *new]
+                   if n in written_here and n not in sixteen}
         lock_on = self.device if self.device is not None and self.device.type == "cuda" else None
         return HostBuffers(into, private, new=new, lock_on=lock_on)
 
@@ -544,12 +613,13 @@ class StageBoundary:
             self._names_this_rank_writes(plan.tensors, plan.aliases)
         mine = self._written_here
         copied = gathered.copied if gathered is not None else {}
+        reachable = {t.data_ptr() for t in state_tensors(self.module).values() if t.numel()}
         by_id: dict[int, torch.Tensor] = {}
         private = dict(values)
         for name in mine:
             value = values.get(name)
-            if value is None:
-                continue
+            if value is None or (value.data_ptr() not in reachable and name not in copied):
+                continue  # a kept fp32 master: no user code can change it
             if id(value) not in by_id:  # tied names share one tensor, and one copy
                 if name in copied:
                     by_id[id(value)] = copied[name]

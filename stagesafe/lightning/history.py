@@ -3,8 +3,9 @@
 A module may go through several Trainers (a new one per call is common), so this is kept per module, not per
 strategy: the dtype and device each tensor had before its first stage, which handoff holds its current
 weights (checked by each tensor's identity and in-place version, so a change by the user is noticed), where
-those weights come from (stage and step), and the writer of its last handoff, which may still be running.
-No write's state lives here: the writer owns it.
+those weights come from (stage and step), the writer of its last handoff, which may still be running, and
+what the last ``fit``'s engine held beyond the module's own tensors (:class:`KeptTraining`). No write's state
+lives here: the writer owns it.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE
 if TYPE_CHECKING:
     from stagesafe.lightning.writer import HandoffWriter
 
-__all__ = ["HandoffTarget", "ModuleHistory", "history_of", "state_tensors", "fingerprint"]
+__all__ = ["HandoffTarget", "KeptTraining", "ModuleHistory", "history_of", "state_tensors", "fingerprint"]
 
 Fingerprint = dict[str, tuple[int, int]]
 
@@ -37,6 +38,36 @@ class HandoffTarget:
 
 
 @dataclass
+class KeptTraining:
+    """What the last ``fit``'s engine held that the module's tensors cannot: the fp32 masters of parameters the
+    module holds in 16 bits, and this rank's files of DeepSpeed's own checkpoint (optimizer partition, step
+    counts, loss scaler) with Lightning's lr scheduler states. Valid while the module's tensors are the ones it
+    was kept with (``fingerprint``): a module changed since has other weights than these masters and moments.
+    """
+
+    fingerprint: Fingerprint
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)
+    checkpoint: dict[str, dict[str, Any]] | None = None  # file name in the tag folder -> its state
+    lr_schedulers: list[dict[str, Any]] = field(default_factory=list)
+    world_size: int = 1
+    missing: str = ""  # why ``checkpoint`` is None: said when a checkpoint is saved without it
+
+    def masters_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The fp32 masters of the tensors that are still the ones they were kept with."""
+        now = fingerprint({n: t for n, t in tensors.items() if n in self.masters})
+        return {n: m for n, m in self.masters.items() if now.get(n) == self.fingerprint.get(n)}
+
+    def holds(self, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """Whether the module's ``tensors`` are still exactly the ones this state was kept with."""
+        return fingerprint(tensors) == self.fingerprint
+
+    def moved(self, before: Fingerprint, tensors: Mapping[str, torch.Tensor]) -> None:
+        """stagesafe itself replaced the module's tensors (``before`` -> ``tensors``), values unchanged."""
+        if before == self.fingerprint:
+            self.fingerprint = fingerprint(tensors)
+
+
+@dataclass
 class ModuleHistory:
     """A module's facts across Trainer calls."""
 
@@ -44,6 +75,7 @@ class ModuleHistory:
     target: HandoffTarget | None = None  # the handoff that holds the weights fingerprinted below
     fingerprint: Fingerprint | None = None  # None: no handoff is known to hold the module's weights
     weights_from: dict[str, Any] = field(default_factory=dict)  # {"stage", "global_step", "epoch"} of the weights
+    kept: KeptTraining | None = None  # what the last fit's engine held beyond the module's tensors
     _writer: "weakref.ref[HandoffWriter] | None" = None
 
     def holds(self, target: HandoffTarget, tensors: Mapping[str, torch.Tensor]) -> bool:

@@ -1,16 +1,18 @@
-"""A DeepSpeed ZeRO checkpoint folder written from a module's full weights, without an engine.
+"""DeepSpeed ZeRO checkpoint folders written without an engine, for ``trainer.save_checkpoint`` between calls.
 
-Between two Trainer calls there is no engine, so ``trainer.save_checkpoint(path)`` cannot ask one to save.
-It gets what an engine of the same ZeRO stage writes during a stage, as from one rank: ``latest``, and a tag
-folder with the model-states file (Lightning's client state, buffers, parameter shapes) and the optimizer-
-states file whose fp32 partition holds every trainable parameter. DeepSpeed's own
-``convert_zero_checkpoint_to_fp32_state_dict``, ``stagesafe consolidate`` and ``trainer.test(ckpt_path=...)``
-read it. It holds no optimizer state: the optimizer went with the engine at the end of the stage; the file
-:data:`WEIGHTS_ONLY_MARKER` in the folder says so, for the strategy that loads it.
+Between two Trainer calls there is no engine to ask. :func:`write_engine_checkpoint` writes the files the last
+engine built for this rank at the end of its ``fit`` (kept in host memory since, optimizer state included) with
+the caller's client state: byte for byte the folder DeepSpeed's ``save_checkpoint`` would have written then.
+:func:`write_zero_checkpoint` is the fallback when no such files are kept: what an engine of the same ZeRO stage
+writes, as from one rank, with an fp32 partition holding every trainable parameter and no optimizer state; the
+file :data:`WEIGHTS_ONLY_MARKER` in the folder says so, for the strategy that loads it. DeepSpeed's own
+``load_checkpoint`` and ``convert_zero_checkpoint_to_fp32_state_dict``, ``stagesafe consolidate`` and
+``trainer.test(ckpt_path=...)`` read both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -21,9 +23,36 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WEIGHTS_ONLY_MARKER", "write_zero_checkpoint", "is_weights_only"]
+__all__ = ["WEIGHTS_ONLY_MARKER", "write_engine_checkpoint", "write_zero_checkpoint", "is_weights_only"]
 
 WEIGHTS_ONLY_MARKER = "stagesafe_weights_only.json"
+
+
+def write_engine_checkpoint(
+    path: str,
+    files: Mapping[str, Mapping[str, Any]],
+    *,
+    client_state: Mapping[str, Any],
+    latest: bool,
+    tag: str = "checkpoint",
+) -> None:
+    """Write this rank's kept DeepSpeed checkpoint ``files`` (file name -> state) into ``path``/``tag``, each
+    model-states file with ``client_state`` added, as ``engine.save_checkpoint(path, tag, client_state)`` does.
+    Every rank calls it with its own files; the one with ``latest`` also writes ``latest`` and removes a
+    weights-only marker an earlier save left in the folder. Each file appears under its name only once whole."""
+    folder = os.path.join(path, tag)
+    os.makedirs(folder, exist_ok=True)
+    for name, state in files.items():
+        if "model_states" in name:
+            state = {**state, **client_state}
+        partial = os.path.join(folder, f".{name}.tmp-{os.getpid()}")
+        torch.save(dict(state), partial)
+        os.replace(partial, os.path.join(folder, name))
+    if latest:
+        with open(os.path.join(path, "latest"), "w") as f:
+            f.write(tag)
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(path, WEIGHTS_ONLY_MARKER))
 
 
 def write_zero_checkpoint(

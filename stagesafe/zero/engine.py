@@ -29,6 +29,7 @@ __all__ = [
     "load_values_into_engine",
     "destroy_engine",
     "strip_deepspeed_state",
+    "checkpoint_files",
 ]
 
 # The hook tables an nn.Module keeps; DeepSpeed registers into some of them.
@@ -213,15 +214,16 @@ class GatheredValues(Mapping):
         self._devices: set[torch.device] = set()
         self.copied: dict[str, torch.Tensor] = {}  # the ``also_into`` tensors, once fill_copies() has run
         self._kept: dict[str, torch.Tensor] = {}  # gathered masters waiting to be copied into ``also_into``
-        self._ready: dict[str, torch.Tensor] = {}  # masters gather_masters() has gathered, by name
+        self._ready: dict[str, tuple[torch.Tensor, bool]] = {}  # gathered masters, by name: (tensor, in `into`)
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._buffers:
             return self._to_dtype(name, self._buffers[name].detach().to("cpu", copy=True))
         param = self._params[name]
         ready = self._ready.pop(name, None)
-        if ready is not None:  # gathered by gather_masters(): already in its host tensor, or on the device
-            return ready if ready.device.type == "cpu" else self._to_dtype(name, ready.to("cpu"))
+        if ready is not None:  # gathered by gather_masters(): already in its host tensor, or not yet on the host
+            master, placed = ready
+            return master if placed else self._to_dtype(name, master.to("cpu"))
         if has_fp32_master(param):
             import deepspeed.utils
 
@@ -282,7 +284,7 @@ class GatheredValues(Mapping):
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(master.device))
             placed = self._place(name, master, stream)
-            self._ready[name] = master if placed is None else placed
+            self._ready[name] = (master, False) if placed is None else (placed, True)
 
     def synchronize(self) -> None:
         """Wait for the copies into ``into`` (asynchronous into page-locked memory) and the gathers."""
@@ -509,6 +511,72 @@ def load_values_into_engine(module: nn.Module, values: Mapping[str, torch.Tensor
                 buf.copy_(values[name])
     if set_masters:
         set_fp32_masters(module, values)
+
+
+def checkpoint_files(engine: Any, *, exclude_frozen: bool) -> dict[str, dict[str, Any]] | None:
+    """The files DeepSpeed's ``save_checkpoint`` would write for this rank now (file name in the tag folder ->
+    its state: module placeholders, parameter shapes, step counts, lr scheduler, and the optimizer's partition:
+    fp32 masters, moments, loss scaler), every tensor copied to host memory, so that they outlive the engine.
+
+    DeepSpeed's own code builds them (its checkpoint engine is swapped for one that keeps instead of writing),
+    so they are what ``load_checkpoint`` and ``zero_to_fp32`` expect. Purely local: no collective. None where
+    DeepSpeed keeps state outside them (NVMe-swapped optimizer states, MoE layers).
+    """
+    if engine.optimizer is None or engine.has_moe_layers or engine.zero_nvme_offload_optimizer():
+        return None
+    import os
+
+    from deepspeed.git_version_info import version
+
+    files: dict[str, dict[str, Any]] = {}
+    tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    class _Keep:
+        def save(self, state_dict: dict, path: str) -> None:
+            files[os.path.basename(path)] = _to_host(state_dict, tensors)
+
+        def makedirs(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+
+    if hasattr(engine.optimizer, "empty_partition_cache"):
+        # ZeRO-3 parameters the last step left gathered (prefetched for a next forward) are written as the
+        # placeholders they are between steps, as a save during the stage writes them, not as full tensors
+        engine.optimizer.empty_partition_cache()
+    writer, engine.checkpoint_engine = engine.checkpoint_engine, _Keep()
+    try:
+        engine._save_checkpoint("", "", client_state={}, exclude_frozen_parameters=exclude_frozen)
+        if engine.save_zero_checkpoint:
+            state = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
+                     "ds_version": version}
+            engine.checkpoint_engine.save(state, engine._get_zero_ckpt_name("", ""))
+    finally:
+        engine.checkpoint_engine = writer
+    for device in {source.device for source, _ in tensors if source.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+    return files
+
+
+def _to_host(obj: Any, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples replaced by a host copy of its own (a device
+    tensor into page-locked memory, asynchronously: synchronize before reading); other values are shared."""
+    if isinstance(obj, torch.Tensor):
+        source = obj.detach()
+        if source.device.type != "cuda":
+            copy = source.to("cpu", copy=True)
+        else:
+            copy = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            copy.copy_(source, non_blocking=True)
+        copies.append((source, copy))
+        return copy
+    if isinstance(obj, dict):
+        copied = obj.copy()  # keeps the mapping's class (OrderedDict, ...)
+        for key, value in obj.items():
+            copied[key] = _to_host(value, copies)
+        return copied
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_host(value, copies) for value in obj)
+    return obj
 
 
 def destroy_engine(engine: Any) -> None:
