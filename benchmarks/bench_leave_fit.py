@@ -6,6 +6,8 @@ About 7B parameters, stagesafe only:
     python benchmarks/bench_leave_fit.py --accelerator gpu --layers 32 --width 4096 --vocab 50304 --no-stock
 On the CPU (2 processes, gloo), a small model:
     DS_ACCELERATOR=cpu python benchmarks/bench_leave_fit.py --layers 2 --width 256 --vocab 1000
+With AdamW, the optimizer state kept at the boundary (the default) beside ``keep_optimizer_state=False``:
+    python benchmarks/bench_leave_fit.py --accelerator gpu --devices 1 --optimizer adamw --compare-keep --no-stock
 
 bf16-mixed, ZeRO-3, ``fit`` with ``max_steps=1``; Lightning starts rank 1 by re-running the script. A callback
 marks the end of the last optimizer step (``on_train_batch_end``, after synchronizing the device); the time
@@ -13,6 +15,8 @@ until ``trainer.fit`` returns is what a user waits for to leave ``fit``. Side by
 alternating:
 - stagesafe: leaving fit; then ``wait_for_handoff()`` (the background write, until committed: its rate against
   the disk's); then ``test`` and ``predict`` on the same module, which is then compared with the handoff bitwise;
+  with ``--compare-keep``, also ``keep_optimizer_state=False`` ("no-keep"), and the floor of the kept state's
+  bytes (this rank's partition of masters and optimizer state) over the same device-to-host bandwidth;
 - stock ``DeepSpeedStrategy`` (Lightning's, CPU refusal lifted on the CPU): leaving fit (its engine stays, and
   no weights come out of it);
 - the floor: the fp32 bytes of the model over the device-to-host bandwidth into page-locked memory (on the CPU:
@@ -61,8 +65,9 @@ class Block(nn.Module):
 
 
 class GPT(pl.LightningModule):
-    def __init__(self, layers: int, width: int, vocab: int) -> None:
+    def __init__(self, layers: int, width: int, vocab: int, optimizer: str = "sgd") -> None:
         super().__init__()
+        self.optimizer_name = optimizer
         self.embed = nn.Embedding(vocab, width)
         self.blocks = nn.Sequential(*[Block(width) for _ in range(layers)])
         self.norm = nn.LayerNorm(width)
@@ -83,6 +88,8 @@ class GPT(pl.LightningModule):
         return self(batch[0][:, :8]).argmax(-1)
 
     def configure_optimizers(self):
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.1)
         return torch.optim.SGD(self.parameters(), lr=1e-4)
 
 
@@ -105,7 +112,7 @@ def data(vocab: int, n: int = 4, length: int = 129) -> DataLoader:
 
 def leave_fit(args: argparse.Namespace, strategy, root: str) -> tuple[float, pl.Trainer, GPT]:
     torch.manual_seed(0)
-    module = GPT(args.layers, args.width, args.vocab)
+    module = GPT(args.layers, args.width, args.vocab, args.optimizer)
     mark = EndOfLastStep()
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="bf16-mixed", max_steps=1,
@@ -134,12 +141,20 @@ def main() -> None:
     parser.add_argument("--no-stock", action="store_true", help="stagesafe only (a model too large for two copies)")
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-leave-fit"))
     parser.add_argument("--json", default=None, help="also write rank 0's results here")
+    parser.add_argument("--optimizer", choices=("sgd", "adamw"), default="sgd")
+    parser.add_argument("--compare-keep", action="store_true", help="also run keep_optimizer_state=False")
     args = parser.parse_args()
 
     rows: list[dict] = []
-    for round_ in range(args.rounds):
-        strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3, handoff_uri=os.path.join(args.root, "handoff"))
+    kept_bytes = 0
+    variants = [("stagesafe", True), ("no-keep", False)] if args.compare_keep else [("stagesafe", True)]
+    for round_, (who, keep) in ((r, v) for r in range(args.rounds) for v in variants):
+        strategy = stagesafe.StageSafeDeepSpeedStrategy(
+            stage=3, handoff_uri=os.path.join(args.root, "handoff"), keep_optimizer_state=keep
+        )
         blocked, trainer, module = leave_fit(args, strategy, args.root)
+        if keep:
+            kept_bytes = _kept_bytes(module)
         started = time.perf_counter()
         strategy.wait_for_handoff()
         waited = time.perf_counter() - started
@@ -151,7 +166,7 @@ def main() -> None:
         if rank == 0:
             same = bitwise_equal(module, stagesafe.load_state_dict(os.path.join(args.root, "handoff")))
         rows.append({
-            "round": round_, "who": "stagesafe", "rank": rank, "leave_fit_s": blocked, "wait_for_handoff_s": waited,
+            "round": round_, "who": who, "rank": rank, "kept_bytes": _kept_bytes(module), "leave_fit_s": blocked, "wait_for_handoff_s": waited,
             "write_s": report.phases.get("handoff_write"), "private_copy_s": report.phases.get("handoff_write_private_copy"),
             "boundary_s": report.seconds, "consolidate_s": report.phases.get("consolidate"),
             "handoff_bytes": report.handoff_bytes, "module_equals_handoff": same,
@@ -159,7 +174,7 @@ def main() -> None:
         })
         del trainer, module, strategy
         gc.collect()
-        if not args.no_stock:
+        if not args.no_stock and who == "stagesafe":
             stock = (pl.strategies.DeepSpeedStrategy if args.accelerator != "cpu" else CPUCapableDeepSpeedStrategy)(stage=3)
             blocked, trainer, module = leave_fit(args, stock, args.root)
             rows.append({"round": round_, "who": "stock", "rank": trainer.global_rank, "leave_fit_s": blocked})
@@ -171,6 +186,7 @@ def main() -> None:
 
     nbytes = sum(p.numel() * 4 for p in GPT(args.layers, args.width, args.vocab).parameters())
     floor_s, bandwidth = device_to_host_seconds(nbytes, args.accelerator)
+    kept_floor_s = kept_bytes / (bandwidth * 1e9) if bandwidth else 0.0
     if dist.is_initialized():
         dist.barrier()
     probe = os.path.join(args.root, f"probe{dist.get_rank()}")
@@ -186,18 +202,44 @@ def main() -> None:
     print(f"\nmodel: {nbytes / 4 / 1e9:.2f}B parameters, {nbytes / 1e9:.2f} GB fp32; {args.devices} x {args.accelerator}")
     print(f"floor: {floor_s:.3f} s ({bandwidth:.1f} GB/s device-to-host, page-locked); disk: {disk_rate:.2f} GB/s "
           f"(each rank writing half at once, write+fsync, early write-back)")
+    print(f"kept optimizer state ({args.optimizer}): {kept_bytes / 1e9:.2f} GB on rank 0; its floor {kept_floor_s:.3f} s "
+          f"at the same bandwidth; floor of both: {floor_s + kept_floor_s:.3f} s")
     print(f"\n{'round':>5} {'who':>9} {'rank':>4} {'leave fit s':>11} {'x floor':>7} {'write GB/s':>10} {'% disk':>6}  "
           f"bitwise")
     for row in sorted((r for rank_rows in everyone for r in rank_rows), key=lambda r: (r["round"], r["who"], r["rank"])):
         rate = pct = ""
-        if row["who"] == "stagesafe" and row["rank"] == 0 and row["write_s"]:
+        if row["who"] != "stock" and row["rank"] == 0 and row["write_s"]:
             rate_value = row["handoff_bytes"] / row["write_s"] / 1e9
             rate, pct = f"{rate_value:10.2f}", f"{100 * rate_value / disk_rate:5.0f}%"
         print(f"{row['round']:>5} {row['who']:>9} {row['rank']:>4} {row['leave_fit_s']:11.3f} "
               f"{row['leave_fit_s'] / floor_s:7.1f} {rate:>10} {pct:>6}  {row.get('module_equals_handoff', '') or ''}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"floor_s": floor_s, "disk_gbps": disk_rate, "nbytes": nbytes, "rows": everyone}, f, indent=1)
+            json.dump({"floor_s": floor_s, "kept_floor_s": kept_floor_s, "disk_gbps": disk_rate, "nbytes": nbytes,
+                   "rows": everyone}, f, indent=1)
+
+
+def _kept_bytes(module: nn.Module) -> int:
+    """Bytes of this rank's kept DeepSpeed checkpoint files (optimizer partition, masters) after a fit."""
+    from stagesafe.lightning.history import history_of
+
+    history = history_of(module)
+    kept = history.kept if history is not None else None
+    total = 0
+
+    def walk(obj) -> None:
+        nonlocal total
+        if isinstance(obj, torch.Tensor):
+            total += obj.nbytes
+        elif isinstance(obj, dict):
+            for value in obj.values():
+                walk(value)
+        elif isinstance(obj, (list, tuple)):
+            for value in obj:
+                walk(value)
+
+    walk(kept.checkpoint if kept is not None else None)
+    return total
 
 
 if __name__ == "__main__":

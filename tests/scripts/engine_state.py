@@ -5,6 +5,8 @@ A CONFIG is ``z<stage>-<layers>-<between>``, e.g. ``z3-configure_model-meta``: Z
 built (``init`` or ``configure_model``, under ``zero.Init``) and ``between_stages``. Every case trains with
 bf16-mixed, AdamW with weight decay and a step-wise lr schedule, on a model without randomness in its steps.
 Lightning starts rank 1 by re-running this command line; rank 0 saves what it saw under OUT/<config>/.
+On a GPU (``ENGINE_STATE_GPU=1``): one device, the 1.41B GPT of benchmarks/bench_leave_fit.py, stock's resume
+left out, and each handoff digested per tensor (``<name>.digests.json``) and deleted to spare the disk.
 
 PHASE ``first`` (one process, every config in turn):
   a-new, a-same: fit (lr 1e-2, 4 steps) -> handoff H1; fit (lr 0) -> H2, with a new Trainer / the same one.
@@ -18,8 +20,11 @@ PHASE ``resume`` (a new process): a new module and Trainer, fit(ckpt_path=ckpt, 
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import os
+import shutil
 import sys
 import warnings
 
@@ -35,16 +40,60 @@ import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
 from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
 
-STEPS_PER_EPOCH = 4  # 32 samples, 2 ranks, batches of 4
+STEPS_PER_EPOCH = 4  # 32 samples, 2 ranks, batches of 4 (on a GPU: 8 sequences, 1 device, batches of 2)
+GPU = os.environ.get("ENGINE_STATE_GPU") == "1"
+
+
+class GPTModule(pl.LightningModule):
+    """benchmarks/bench_leave_fit.py's GPT (1.41B), built in __init__ or in configure_model, trained with AdamW."""
+
+    def __init__(self, lr: float, in_configure_model: bool) -> None:
+        super().__init__()
+        self.lr = lr
+        self.gpt = None if in_configure_model else _gpt()
+
+    def configure_model(self) -> None:
+        if self.gpt is None:
+            self.gpt = _gpt()
+
+    def training_step(self, batch, batch_idx):
+        return self.gpt.training_step(batch, batch_idx)
+
+    configure_optimizers = None  # set below, shared with AdamWModule
+
+
+def _gpt() -> torch.nn.Module:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    from bench_leave_fit import GPT
+
+    return GPT(24, 2048, 50304)
+
+
+def gpt_data() -> torch.utils.data.DataLoader:
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    from bench_leave_fit import data
+
+    return data(50304, n=8, length=129)
+
+
+def adamw_with_schedule(self):
+    """AdamW (weight decay) and an lr that halves every 3 steps."""
+    optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 class AdamWModule(ToyModule):
     """The toy model trained with AdamW (weight decay) and an lr that halves every 3 steps."""
 
-    def configure_optimizers(self):
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
-        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+    configure_optimizers = adamw_with_schedule
+
+
+GPTModule.configure_optimizers = adamw_with_schedule
+
+
+def data():
+    return gpt_data() if GPU else dataloader()
 
 
 def parse(config: str) -> dict:
@@ -52,9 +101,9 @@ def parse(config: str) -> dict:
     return {"stage": int(stage.removeprefix("z")), "layers": layers, "between": between}
 
 
-def new_module(cfg: dict, lr: float) -> AdamWModule:
+def new_module(cfg: dict, lr: float) -> pl.LightningModule:
     pl.seed_everything(7, verbose=False)
-    return AdamWModule(lr=lr, in_configure_model=cfg["layers"] == "configure_model")
+    return (GPTModule if GPU else AdamWModule)(lr=lr, in_configure_model=cfg["layers"] == "configure_model")
 
 
 def stagesafe_strategy(cfg: dict, handoff: str, **kwargs) -> StageSafeDeepSpeedStrategy:
@@ -65,7 +114,8 @@ def stagesafe_strategy(cfg: dict, handoff: str, **kwargs) -> StageSafeDeepSpeedS
 
 def trainer(strategy, **kwargs) -> pl.Trainer:
     return pl.Trainer(
-        strategy=strategy, accelerator="cpu", devices=2, precision="bf16-mixed", logger=False,
+        strategy=strategy, accelerator="gpu" if GPU else "cpu", devices=1 if GPU else 2, precision="bf16-mixed",
+        logger=False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
     )
 
@@ -74,11 +124,32 @@ def keep(trainer_: pl.Trainer, module: torch.nn.Module, uri: str, out: str, name
     """Rank 0 saves the committed handoff at ``uri`` as ``name``.safetensors, with the module's dtypes."""
     trainer_.strategy.wait_for_handoff()
     if dist.get_rank() == 0:
-        save_file({k: v.contiguous() for k, v in stagesafe.load_state_dict(uri).items()}, f"{out}/{name}.safetensors")
+        values = stagesafe.load_state_dict(uri)
+        if GPU:
+            with open(f"{out}/{name}.digests.json", "w") as f:
+                json.dump(digests(values), f)
+            shutil.rmtree(uri)
+        else:
+            save_file({k: v.contiguous() for k, v in values.items()}, f"{out}/{name}.safetensors")
         dtypes = {n: str(p.dtype) for n, p in module.named_parameters()}
         with open(f"{out}/{name}.module-dtypes.json", "w") as f:
             json.dump(dtypes, f)
     dist.barrier()
+
+
+def digests(values: dict) -> dict:
+    """name -> [dtype, shape, sha256 of the bytes]: equal digests mean bitwise equal tensors."""
+    return {n: [str(t.dtype), list(t.shape), hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()]
+            for n, t in values.items()}
+
+
+def release() -> None:
+    """Free the last case's modules, and with them their kept engine state, before the next case (on a GPU
+    host each keeps gigabytes: the cached page-locked blocks are handed back too)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch._C._host_emptyCache()
 
 
 def lr_zero(module: AdamWModule) -> None:
@@ -89,7 +160,7 @@ def first(cfg: dict, out: str) -> None:
     for mode in ("new", "same"):
         module = new_module(cfg, lr=1e-2)
         t1 = trainer(stagesafe_strategy(cfg, f"{out}/a-{mode}-h1"), max_steps=STEPS_PER_EPOCH)
-        t1.fit(module, dataloader())
+        t1.fit(module, data())
         keep(t1, module, f"{out}/a-{mode}-h1", out, f"a-{mode}-h1")
         lr_zero(module)
         if mode == "new":
@@ -98,17 +169,21 @@ def first(cfg: dict, out: str) -> None:
         else:
             t2, uri2 = t1, f"{out}/a-{mode}-h1"
             t2.fit_loop.epoch_loop.max_steps = 2 * STEPS_PER_EPOCH
-        t2.fit(module, dataloader())
+        t2.fit(module, data())
         keep(t2, module, uri2, out, f"a-{mode}-h2")
+        del module, t1, t2
+        release()
 
     module = new_module(cfg, lr=1e-2)
     straight = trainer(stagesafe_strategy(cfg, f"{out}/straight"), max_epochs=2)
-    straight.fit(module, dataloader())
+    straight.fit(module, data())
     keep(straight, module, f"{out}/straight", out, "straight")
+    del module, straight
+    release()
 
     module = new_module(cfg, lr=1e-2)
     one = trainer(stagesafe_strategy(cfg, f"{out}/first-epoch"), max_epochs=1)
-    one.fit(module, dataloader())
+    one.fit(module, data())
     keep(one, module, f"{out}/first-epoch", out, "first-epoch")
     save_recording_warnings(one, f"{out}/ckpt", f"{out}/save-warnings.json")
 
@@ -126,12 +201,12 @@ def fallbacks(cfg: dict, out: str) -> None:
     """Checkpoints between calls that cannot hold the optimizer state: said at save_checkpoint."""
     module = new_module(cfg, lr=1e-2)
     t = trainer(stagesafe_strategy(cfg, f"{out}/not-kept", keep_optimizer_state=False), max_steps=2)
-    t.fit(module, dataloader())
+    t.fit(module, data())
     save_recording_warnings(t, f"{out}/ckpt-not-kept", f"{out}/not-kept-warnings.json")
 
     module = new_module(cfg, lr=1e-2)
     t = trainer(stagesafe_strategy(cfg, f"{out}/changed"), max_steps=2)
-    t.fit(module, dataloader())
+    t.fit(module, data())
     with torch.no_grad():
         module.backbone.head.bias.add_(1.0)  # the user changes a weight: the kept optimizer state is not its
     save_recording_warnings(t, f"{out}/ckpt-changed", f"{out}/changed-warnings.json")
@@ -142,15 +217,17 @@ def resume(cfg: dict, out: str) -> None:
     t = trainer(stagesafe_strategy(cfg, f"{out}/resumed"), max_epochs=2)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        t.fit(module, dataloader(), ckpt_path=f"{out}/ckpt")
+        t.fit(module, data(), ckpt_path=f"{out}/ckpt")
     keep(t, module, f"{out}/resumed", out, "resumed")
     if dist.get_rank() == 0:
         with open(f"{out}/resume-warnings.json", "w") as f:
             json.dump([str(w.message) for w in caught], f)
 
+    if GPU:
+        return
     module = new_module(cfg, lr=1e-2)
     stock = trainer(CPUCapableDeepSpeedStrategy(stage=cfg["stage"]), max_epochs=2)
-    stock.fit(module, dataloader(), ckpt_path=f"{out}/ckpt")
+    stock.fit(module, data(), ckpt_path=f"{out}/ckpt")
     import deepspeed.utils
 
     masters = {}
@@ -167,7 +244,7 @@ def main() -> None:
         folder = os.path.join(out, config)
         os.makedirs(folder, exist_ok=True)
         (first if phase == "first" else resume)(parse(config), folder)
-        if phase == "first" and index == 0:
+        if phase == "first" and index == 0 and not GPU:
             fallbacks(parse(config), folder)
     if dist.get_rank() == 0:
         print("DONE", phase, json.dumps(configs))
