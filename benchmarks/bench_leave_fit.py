@@ -9,7 +9,7 @@ On the CPU (2 processes, gloo), a small model:
 With AdamW, the optimizer state kept at the boundary (the default) beside ``keep_optimizer_state=False``:
     python benchmarks/bench_leave_fit.py --accelerator gpu --devices 1 --optimizer adamw --compare-keep --no-stock
 
-bf16-mixed, ZeRO-3, ``fit`` with ``max_steps=1``; Lightning starts rank 1 by re-running the script. A callback
+bf16-mixed, ZeRO-3, ``fit`` with ``max_steps=1`` (``--steps``); Lightning starts rank 1 by re-running the script. A callback
 marks the end of the last optimizer step (``on_train_batch_end``, after synchronizing the device); the time
 until ``trainer.fit`` returns is what a user waits for to leave ``fit``. Side by side in one run, rounds
 alternating:
@@ -115,7 +115,7 @@ def leave_fit(args: argparse.Namespace, strategy, root: str) -> tuple[float, pl.
     module = GPT(args.layers, args.width, args.vocab, args.optimizer)
     mark = EndOfLastStep()
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="bf16-mixed", max_steps=1,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="bf16-mixed", max_steps=args.steps,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, default_root_dir=root, callbacks=[mark],
     )
@@ -138,6 +138,7 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=1, help="optimizer steps of each fit")
     parser.add_argument("--no-stock", action="store_true", help="stagesafe only (a model too large for two copies)")
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-leave-fit"))
     parser.add_argument("--json", default=None, help="also write rank 0's results here")

@@ -21,6 +21,7 @@ from typing import Any
 from stagesafe.errors import (
     CheckpointFormatError,
     DistributedStageError,
+    EngineReleasedError,
     HandoffCorruptError,
     HandoffExistsError,
     HandoffNotFoundError,
@@ -74,6 +75,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "StorageBackendError",
     "DistributedStageError",
+    "EngineReleasedError",
     "__version__",
 ]
 

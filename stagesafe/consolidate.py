@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff import store
 from stagesafe.handoff.codec import check_tensor
+from stagesafe.handoff.workers import Workers
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
 from stagesafe.handoff.plan import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -293,7 +294,7 @@ def _write_shards(
             for file_name in plan.shards:
                 one(file_name)
         else:
-            with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stagesafe") as pool:
+            with Workers(workers, name="stagesafe-consolidate") as pool:
                 futures = [pool.submit(one, f) for f in plan.shards]
                 try:
                     for future in concurrent.futures.as_completed(futures):

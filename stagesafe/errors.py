@@ -23,6 +23,7 @@ __all__ = [
     "StorageBackendError",
     "StorageTransferError",
     "DistributedStageError",
+    "EngineReleasedError",
     "clip",
     "shown",
 ]
@@ -84,6 +85,11 @@ class StorageTransferError(StageSafeError, OSError):
 
 class DistributedStageError(StageSafeError, RuntimeError):
     """A failure on one or more ranks, raised on every rank so that none of them hangs."""
+
+
+class EngineReleasedError(StageSafeError, RuntimeError):
+    """The DeepSpeed engine was asked for after the Trainer call that built it returned: stagesafe destroys it
+    there, and the module, its handoff and ``trainer.save_checkpoint`` hold what it held."""
 
 
 def shown(value: Any, limit: int = 120) -> str:

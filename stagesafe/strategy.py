@@ -20,12 +20,13 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies.deepspeed import warning_cache
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.errors import DistributedStageError, InvalidArgumentError
+from stagesafe.errors import DistributedStageError, EngineReleasedError, InvalidArgumentError
 from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.lightning.agree import Ending, JobChannel, agree_on_ending
@@ -246,6 +247,16 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         )
         self.model = engine
 
+    @override
+    def optimizer_step(
+        self, optimizer: Any, closure: Any, model: Optional[Union["pl.LightningModule", Module]] = None, **kwargs: Any
+    ) -> Any:
+        """Lightning's; after the first real step the boundary sizes the optimizer state it keeps at the end."""
+        result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._boundary is not None and self._engine_is_live:
+            self._boundary.optimizer_stepped(self.model)
+        return result
+
     # -- collectives ------------------------------------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -307,6 +318,23 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     def _engine_is_live(self) -> bool:
         return zero.is_engine(self.model)
 
+    @property
+    @override
+    def deepspeed_engine(self) -> Any:
+        """The engine of the Trainer call under way. After a call it is gone: stagesafe destroys it when the
+        call returns, and says so here rather than handing out the bare module as if it were the engine."""
+        if self._engine_is_live or self._calls == 0 or self._boundary is not None:
+            return self.model
+        uri = self.last_boundary.uri if self.last_boundary is not None else None
+        raise EngineReleasedError(
+            "the DeepSpeed engine was destroyed when the last Trainer call returned (StageSafeDeepSpeedStrategy "
+            "gives the module back with its weights, and builds a new engine at the next call). Use the module "
+            "itself (trainer.lightning_module) for its weights"
+            + (f", the handoff at {uri!r} (stagesafe.load_state_dict(uri)) for a checkpoint of them" if uri else "")
+            + ", or trainer.save_checkpoint(path) for DeepSpeed's checkpoint folder with the optimizer state the "
+            "last fit ended with"
+        )
+
     @override
     def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
         """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): the files the last
@@ -325,6 +353,14 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         module = self.lightning_module
         if module is None:
             return
+        if self.zero_stage_3 and self._multi_device and self.is_global_zero:
+            warning_cache.warn(  # stock's, word for word: the folder is the same
+                "When saving the DeepSpeed Stage 3 checkpoint, "
+                "each worker will save a shard of the checkpoint within a directory. "
+                "If a single file is required after training, "
+                "see https://lightning.ai/docs/pytorch/stable/advanced/model_parallel.html#"
+                "deepspeed-zero-stage-3-single-file for instructions."
+            )
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
         kept, missing = self._kept_training(module)
         if kept is not None:
@@ -415,7 +451,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @property
     @override
     def lightning_restore_optimizer(self) -> bool:
-        return False
+        return super().lightning_restore_optimizer  # False (DeepSpeed restores it), with stock's warning
 
     # -- leaving a stage --------------------------------------------------------------------------------------
     @override

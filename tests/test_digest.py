@@ -14,6 +14,7 @@ import pytest
 import xxhash
 
 import stagesafe.handoff.digest
+import stagesafe.handoff.workers
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.digest import (
     DEFAULT,
@@ -41,6 +42,7 @@ def test_module_imports_neither_torch_nor_fsspec():
         "blake3",  # imported when a blake3 hasher is made
         "collections",
         "concurrent",
+        "contextlib",
         "hashlib",
         "os",
         "stagesafe",
@@ -48,7 +50,12 @@ def test_module_imports_neither_torch_nor_fsspec():
         "typing",
         "xxhash",  # imported when an xxh3-128-tree hasher is made
     }
-    assert {m for m in imported if m.startswith("stagesafe")} == {"stagesafe.errors"}
+    assert {m for m in imported if m.startswith("stagesafe")} == {"stagesafe.errors", "stagesafe.handoff.workers"}
+    pool = ast.parse(pathlib.Path(stagesafe.handoff.workers.__file__).read_text())  # its thread pool: stdlib only
+    pool_imports = {a.name for n in ast.walk(pool) if isinstance(n, ast.Import) for a in n.names}
+    pool_imports |= {n.module for n in ast.walk(pool) if isinstance(n, ast.ImportFrom) and n.module}
+    assert {m.split(".")[0] for m in pool_imports} <= {"__future__", "collections", "concurrent", "queue",
+                                                       "threading", "typing"}
 
 
 def test_new_handoffs_record_xxh3_128_tree():

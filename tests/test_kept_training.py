@@ -12,6 +12,7 @@ from collections import OrderedDict
 import torch
 
 from stagesafe.lightning.history import KeptTraining, fingerprint
+from stagesafe.lightning.host import HostPool
 from stagesafe.zero.checkpoint_writer import WEIGHTS_ONLY_MARKER, is_weights_only, write_engine_checkpoint
 from stagesafe.zero.engine import _to_host
 
@@ -82,3 +83,17 @@ def test_ranks_without_latest_write_only_their_files(tmp_path):
     path = str(tmp_path / "ckpt")
     write_engine_checkpoint(path, {"zero_pp_rank_1_mp_rank_00_model_states.pt": {}}, client_state={}, latest=False)
     assert os.listdir(path) == ["checkpoint"]
+
+
+def test_host_pool_hands_out_its_tensors_by_shape_and_dtype_once_each():
+    specs = [(torch.Size([4, 2]), torch.float32), (torch.Size([4, 2]), torch.float32), (torch.Size([3]), torch.bfloat16)]
+    pool = HostPool(specs, lock_on=None)
+    first, second = pool.take(torch.Size([4, 2]), torch.float32), pool.take(torch.Size([4, 2]), torch.float32)
+    assert first is not None and second is not None and first.data_ptr() != second.data_ptr()
+    assert first.shape == (4, 2) and first.dtype == torch.float32 and first.device.type == "cpu"
+    assert pool.take(torch.Size([4, 2]), torch.float32) is None  # all taken: the caller allocates
+    assert pool.take(torch.Size([3]), torch.float32) is None  # no such dtype
+    assert pool.take(torch.Size([3]), torch.bfloat16).dtype == torch.bfloat16
+    owner = _kept({}, {})
+    pool.close(owner)
+    assert pool.take(torch.Size([3]), torch.bfloat16) is None  # a closed pool hands out nothing

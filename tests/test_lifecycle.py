@@ -122,3 +122,27 @@ def test_a_signal_ends_a_process_whose_write_waits_for_a_rank_that_is_gone(tmp_p
     assert proc.returncode != 0
     if sig == signal.SIGINT and where == "exit":
         assert proc.returncode == 130 and "interrupted while the handoff" in err
+
+
+def test_after_fit_only_the_write_is_left_lightnings_thread_check_stops_it_and_its_warnings_are_kept(tmp_path):
+    """Lightning's own test suite fails a test that leaves a thread it cannot stop; after fit on 2 ranks the
+    background write is the only thread left, its stop() ends it with the handoff committed, and the engine
+    that fit built is named as gone."""
+    uri = str(tmp_path / "handoff")
+    spec = {"mode": "thread_rule", "root": str(tmp_path), "handoff_uri": uri, "max_steps": 3, "max_shard_size": "8KB"}
+    rank0, rank1 = _job(spec)  # many small shards: the write is still running when fit returns
+    stopped = set(_printed(rank0, "STOPPED").split(","))
+    assert "stagesafe-handoff-write" in stopped
+    assert stopped <= {"stagesafe-handoff-device", "stagesafe-handoff-write", "stagesafe-hash-stream_0",
+                       "stagesafe-transfer_0", "stagesafe-transfer_1", "stagesafe-rm_0"} | {
+                       f"stagesafe-hash_{i}" for i in range(64)}
+    assert _printed(rank0, "HANDOFF") == _printed(rank0, "DIGEST")  # committed, equal to the module bitwise
+    for result in (rank0, rank1):
+        assert "EngineReleasedError: the DeepSpeed engine was destroyed when the last Trainer call returned" in (
+            result.stdout
+        )
+    # stock Lightning's own warnings, on the paths stagesafe overrides
+    warned = [line for line in rank0.stdout.splitlines() if line.startswith("WARNING ")]
+    assert any("When saving the DeepSpeed Stage 3 checkpoint, each worker will save a shard" in w for w in warned)
+    assert any("A single checkpoint file has been given. This means optimizer states cannot be restored." in w
+               for w in warned)

@@ -258,3 +258,53 @@ def test_interpreter_exit_finishes_the_write_or_fails_the_process(tmp_path, mode
         assert proc.returncode == 1
         assert "failed as the interpreter exited" in proc.stderr and "File too large" in proc.stderr
         assert not os.path.exists(os.path.join(uri, "stagesafe.json"))
+
+
+def _stagesafe_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name.startswith("stagesafe")}
+
+
+def test_stop_on_a_write_thread_finishes_the_write_and_leaves_its_outcome_to_join(tmp_path):
+    """Lightning's test suite calls stop() on every daemon thread a test left and requires it dead after."""
+    uri, values = str(tmp_path / "h"), _values()
+    writers = _writers(2)
+    failed_on = []
+
+    def rank(r: int):
+        if r == 1:  # this rank's share fails: the outcome must survive stop() and be raised by join()
+            request = _request(uri, {**values, "layer5.weight": _Unwritable(values["layer5.weight"])},
+                               on_failed=lambda: failed_on.append(r))
+        else:
+            request = _request(uri, values, on_failed=lambda: failed_on.append(r))
+        writers[r].start(request)
+        return {t for t in _stagesafe_threads() if f" {uri}" in t.name}
+
+    started = _on_every_rank(rank, 2)
+    threads = started[0] | started[1]
+    assert {t.name.split(" ")[0] for t in threads} <= {"stagesafe-handoff-device", "stagesafe-handoff-write"}
+    for thread in threads:
+        assert thread.daemon and callable(thread.stop)
+        thread.stop()
+        assert not thread.is_alive()
+    assert failed_on == []  # stop() only ended the threads: nothing was raised or reported yet
+    zero, one = _on_every_rank(lambda r: writers[r].join(), 2)
+    assert isinstance(one, RuntimeError) and "cannot be written" in str(one)
+    assert isinstance(zero, StorageTransferError) and "on rank 1" in str(zero)
+    assert sorted(failed_on) == [0, 1]
+
+
+def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
+    uri, values = str(tmp_path / "h"), _values()
+    writers = _writers(2)
+    before = _stagesafe_threads()
+
+    def rank(r: int):
+        writers[r].start(_request(uri, values))
+        return writers[r].join()
+
+    _on_every_rank(rank, 2)
+    assert _bitwise(stagesafe.load_state_dict(uri), values) and stagesafe.verify(uri)
+    deadline = time.monotonic() + 10
+    while _stagesafe_threads() - before and time.monotonic() < deadline:  # a joined thread may take a moment to end
+        time.sleep(0.01)
+    assert _stagesafe_threads() - before == set()

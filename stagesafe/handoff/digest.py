@@ -20,6 +20,7 @@ and the torch-free CLI can name and check digests. Hashing works on any buffer a
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import threading
@@ -27,6 +28,7 @@ from collections.abc import Iterator
 from typing import IO, Any, Protocol
 
 from stagesafe.errors import InvalidArgumentError
+from stagesafe.handoff.workers import Workers
 
 __all__ = [
     "BLAKE3",
@@ -103,9 +105,10 @@ def new(name: str, *, workers: int | None = None) -> Hasher:
 
 def hash_buffer(name: str, data: Any, *, workers: int | None = None) -> str:
     """The ``name`` digest of a whole buffer (bytes, a memoryview, a mapped file), on up to ``workers`` threads."""
-    hasher = new(name, workers=workers)
-    hasher.update(data)
-    return hasher.hexdigest()
+    with _hashing_threads.lease():
+        hasher = new(name, workers=workers)
+        hasher.update(data)
+        return hasher.hexdigest()
 
 
 class Pipeline:
@@ -117,7 +120,9 @@ class Pipeline:
 
     def __init__(self, name: str, *, workers: int | None = None) -> None:
         self._hasher = new(name, workers=workers)
-        self._thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stagesafe-hash-stream")
+        self._lease = _hashing_threads.lease()  # the hashing threads stay up from chunk to chunk
+        self._lease.__enter__()
+        self._thread = Workers(1, name="stagesafe-hash-stream")
         self._pending: concurrent.futures.Future | None = None
 
     def add(self, chunk: Any) -> None:
@@ -137,7 +142,10 @@ class Pipeline:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._thread.shutdown(wait=True)
+        try:
+            self._thread.shutdown(wait=True)
+        finally:
+            self._lease.__exit__(None, None, None)
 
 
 def read_hashed(f: IO[bytes], buffer: Any, name: str, *, chunk: int = CHUNK) -> tuple[int, str]:
@@ -263,23 +271,44 @@ def _pieces_hashed(xxh3_128: Any, view: memoryview, leaf: int, workers: int) -> 
         return [xxh3_128(view[i * leaf : (i + 1) * leaf]).digest() for i in range(first, last)]
 
     bounds = [count * k // runs for k in range(runs + 1)]
-    pool = _shared_pool()
-    futures = [pool.submit(run, bounds[k], bounds[k + 1]) for k in range(1, runs)]
-    digests = run(bounds[0], bounds[1])  # the caller's thread takes the first run itself
-    for future in futures:
-        digests.extend(future.result())
+    with _hashing_threads.lease() as pool:
+        futures = [pool.submit(run, bounds[k], bounds[k + 1]) for k in range(1, runs)]
+        digests = run(bounds[0], bounds[1])  # the caller's thread takes the first run itself
+        for future in futures:
+            digests.extend(future.result())
     return digests
 
 
-_pool_lock = threading.Lock()
-_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+class _HashingThreads:
+    """One thread per CPU, shared by the hashing operations running at once (so that shards hashed together
+    share the cores instead of each starting threads of its own), and owned by them: the first lease starts
+    the threads, the last one to end joins them, so none outlives the work. A forked child starts its own."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pool: Workers | None = None
+        self._users = 0
+        self._pid = os.getpid()
+
+    @contextlib.contextmanager
+    def lease(self) -> Iterator[Workers]:
+        with self._lock:
+            if self._pid != os.getpid():  # threads do not fork: the parent's pool is not ours
+                self._pool, self._users, self._pid = None, 0, os.getpid()
+            if self._pool is None:
+                self._pool = Workers(threads(), name="stagesafe-hash")
+            self._users += 1
+            pool = self._pool
+        try:
+            yield pool
+        finally:
+            with self._lock:
+                self._users -= 1
+                idle = self._pool if self._users == 0 and self._pool is pool else None
+                if idle is not None:
+                    self._pool = None
+            if idle is not None:
+                idle.shutdown(wait=True)
 
 
-def _shared_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """One pool for every hasher of the process, one thread per CPU, so that shards hashed at once share the
-    cores instead of each starting threads of its own. A forked child makes its own (threads do not fork)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(threads(), thread_name_prefix="stagesafe-hash"))
-        return _pool[1]
+_hashing_threads = _HashingThreads()

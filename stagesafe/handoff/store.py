@@ -62,6 +62,7 @@ from stagesafe.handoff.plan import (
 )
 from stagesafe.handoff.retry import RetryPolicy, TransferAbandoned, call_with_retries
 from stagesafe.handoff.safe_files import open_in, read_in, size_of
+from stagesafe.handoff.workers import Workers
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
@@ -287,9 +288,16 @@ def _write_shard(
                 yield chunk
             digests.append(hashing.hexdigest())
 
+    def attempt() -> None:
+        chunks = stream()
+        try:
+            write_atomic(fs, path, chunks)
+        finally:
+            chunks.close()  # a write that stopped early: the hashing thread ends now, not when collected
+
     path = join(root, file_name)
     _transfer(
-        lambda: write_atomic(fs, path, stream()),
+        attempt,
         what=f"write shard {file_name!r} to {url_of(fs, root)!r}",
         retry=retry,
         stop=stop,
@@ -724,7 +732,7 @@ def _each(items: Sequence[str], fn: Callable[[str, threading.Event], T], workers
     stop = threading.Event()
     if workers == 1 or len(items) <= 1:
         return {item: fn(item, stop) for item in items}
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(workers, len(items)), thread_name_prefix="stagesafe")
+    pool = Workers(min(workers, len(items)), name="stagesafe-transfer")
     try:
         futures = [pool.submit(fn, item, stop) for item in items]
         for future in concurrent.futures.as_completed(futures):
@@ -1376,7 +1384,7 @@ def _remove_files(fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str]
     paths = [join(root, n) for n in names]
     if not paths:
         return
-    with concurrent.futures.ThreadPoolExecutor(min(len(paths), _REMOVERS), thread_name_prefix="stagesafe-rm") as pool:
+    with Workers(min(len(paths), _REMOVERS), name="stagesafe-rm") as pool:
         list(pool.map(lambda path: _remove(fs, path), paths))
 
 

@@ -33,7 +33,7 @@ from stagesafe.lightning.history import (
     new_history,
     state_tensors,
 )
-from stagesafe.lightning.host import HostBuffers
+from stagesafe.lightning.host import HostBuffers, HostPool
 from stagesafe.lightning.shared_write import names_written_by
 from stagesafe.lightning.writer import HandoffWriter, WriteRequest
 from stagesafe.restore import assign_values, load_for
@@ -114,6 +114,8 @@ class StageBoundary:
         self._fresh_names: set[str] = set()
         self._materialize = materialize
         self._host: HostBuffers | None = None
+        self._kept_host: HostPool | None = None  # where the end copies the engine's optimizer state
+        self._sized = False  # the optimizer state's host memory was asked for
         self._written_here: set[str] | None = None
         self._meta_values: dict[str, torch.Tensor] | None = None
         self._footprint: zero.ModuleFootprint | None = None
@@ -219,6 +221,22 @@ class StageBoundary:
             entry = {**self._entry, **self._masters} if self._masters else self._entry  # a handoff reader stays lazy
             dist.all_ranks(lambda: zero.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
 
+    def optimizer_stepped(self, engine: Any) -> None:
+        """After an optimizer step of a training stage on a GPU (local, cheap once done): the first time the
+        engine has stepped, start making host memory ready for the optimizer state the stage's end keeps."""
+        if self._kept_host is not None or self._sized or not self.training or not self._keep_optimizer_state:
+            return
+        if self.device is None or self.device.type != "cuda" or getattr(engine, "global_steps", 0) < 1:
+            return
+        self._sized = True
+        try:
+            specs = zero.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen)
+        except Exception as exc:  # noqa: BLE001 - only the end's speed is at stake: it allocates then
+            log.warning("stagesafe: could not size the optimizer state kept at the end of %s: %s", self.stage, exc)
+            specs = None
+        if specs:
+            self._kept_host = HostPool(specs, lock_on=self.device)
+
     def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
         """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""
         zero.load_values_into_engine(engine_module, values, set_masters=training)
@@ -284,7 +302,11 @@ class StageBoundary:
             failure, values, gathered = failure or exc, None, None
         mark("consolidate")
         new_weights = engine is not None and trained and gather and (streamed or values is not None)
+        if new_weights and self._kept_host is not None:
+            self._kept_host.ready()
+        mark("kept_host_memory_ready")
         checkpoint, missing = self._engine_checkpoint(engine) if new_weights else (None, "")
+        kept_host, self._kept_host = self._kept_host, None
         mark("keep_engine_state")
         if engine is not None:
             zero.destroy_engine(engine)
@@ -305,6 +327,8 @@ class StageBoundary:
                 lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=dist.world_size(),
                 missing=missing,
             )
+        if kept_host is not None:  # its taken tensors hold the kept checkpoint: locked while it lives
+            kept_host.close(history.kept if checkpoint is not None else None)
         if write_failed:
             history.lost()  # the next stage writes the handoff
             if host is not None:
@@ -358,7 +382,10 @@ class StageBoundary:
         if not self._keep_optimizer_state:
             return None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls"
         try:
-            files = zero.checkpoint_files(engine, exclude_frozen=self._exclude_frozen)
+            pool = self._kept_host
+            files = zero.checkpoint_files(
+                engine, exclude_frozen=self._exclude_frozen, host_memory=pool.take if pool is not None else None
+            )
         except Exception as exc:  # noqa: BLE001 - the weights are what must not be lost; this is said at saving
             log.warning("stagesafe: could not keep the optimizer state at the end of %s: %s", self.stage, exc)
             return None, f"keeping it at the end of {self.stage} failed ({type(exc).__name__}: {exc})"

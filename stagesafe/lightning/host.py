@@ -9,14 +9,16 @@ handoff writer once the Trainer call has returned: the end of a stage then pays 
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
-from typing import Iterable, Mapping
+import weakref
+from typing import Any, Iterable, Mapping
 
 import torch
 
-__all__ = ["HostBuffers"]
+from stagesafe.handoff.workers import Workers
+
+__all__ = ["HostBuffers", "HostPool"]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,59 @@ class HostBuffers:
             log.warning("stagesafe: preparing host memory for the end of the stage failed (%s); continuing", exc)
 
 
+class HostPool:
+    """Host tensors of given shapes and dtypes, made ready (allocated, touched, page-locked) in the background
+    while a stage runs, then taken one by one by shape and dtype: where a training stage's end copies the
+    engine's optimizer state, which outlives the engine in host memory.
+
+    Tensors still in the pool at :meth:`close` are unlocked and dropped; the taken ones stay locked until
+    their owner (given to :meth:`close`) is garbage: memory is unlocked before it is freed.
+    """
+
+    def __init__(self, specs: Iterable[tuple[torch.Size, torch.dtype]], *, lock_on: torch.device | None) -> None:
+        fresh = {str(i): (torch.Size(shape), dtype) for i, (shape, dtype) in enumerate(specs)}
+        self._buffers: HostBuffers | None = HostBuffers({}, fresh, lock_on=lock_on)
+        self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] | None = None
+        self._taken: list[torch.Tensor] = []
+
+    def ready(self) -> "HostPool":
+        """Wait until the tensors are made ready (or making them failed: then the copies allocate their own)."""
+        if self._buffers is not None:
+            self._buffers.ready()
+        return self
+
+    def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
+        """A ready tensor of this shape and dtype, or None when the pool has none left."""
+        if self._buffers is None:
+            return None
+        if self._free is None:
+            self._free = {}
+            for tensor in self._buffers.ready().fresh.values():
+                self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+            self._buffers.fresh = {}
+        free = self._free.get((tuple(shape), dtype))
+        if not free:
+            return None
+        tensor = free.pop()
+        self._taken.append(tensor)
+        return tensor
+
+    def close(self, owner: Any | None) -> None:
+        """Unlock what was not taken; the taken tensors stay locked while ``owner`` lives (None: unlock all)."""
+        buffers, self._buffers = self._buffers, None
+        if buffers is None:
+            return
+        buffers.ready()
+        untaken = [t for free in (self._free or {}).values() for t in free] + list(buffers.fresh.values())
+        buffers.fresh, self._free = {}, None
+        taken, self._taken = self._taken, []
+        buffers.unlock(untaken)
+        if owner is None:
+            buffers.unlock(taken)
+        elif taken:
+            weakref.finalize(owner, buffers.unlock, taken).atexit = False  # the process's end frees it all
+
+
 def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Large CPU tensors that own their whole allocation, once each; never memory that is already pinned."""
     seen: set[int] = set()
@@ -127,5 +182,5 @@ def _touch(tensors: list[torch.Tensor]) -> None:
         if flat is None:
             continue
         pieces.extend(flat[i : i + _TOUCH_CHUNK] for i in range(0, flat.numel(), _TOUCH_CHUNK))
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    with Workers(8, name="stagesafe-touch") as pool:
         list(pool.map(lambda piece: piece.zero_(), pieces))

@@ -13,7 +13,9 @@ It is joined, on every rank and through the key-value store, by: the next Traine
 failure already known, its end joins the write), ``wait_for_handoff()``, and the interpreter's exit, which
 runs before threading's and concurrent.futures' own exit hooks, so the write can still finish; a failure
 there is printed as an error on every rank and the exit status is non-zero. Every wait is bounded by the
-strategy's timeout. Threads are daemons: a signal that ends the process ends them too.
+strategy's timeout. Threads are daemons: a signal that ends the process ends them too; each has a ``stop()``
+that finishes the write and returns with the thread dead, as Lightning's test suite expects of a daemon thread
+left running (the write's outcome is kept for whoever joins it, as above).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class _Write:
         self.returned = threading.Event()  # the Trainer call that started the write has returned
         self.error: BaseException | None = None
         self.commit: Commit | None = None
+        self.threads: list[threading.Thread] = []
 
     @property
     def uri(self) -> str:
@@ -129,9 +132,9 @@ class HandoffWriter:
         write = _Write(request, channel, writes_here=self.rank < self.writers, writers=self.writers)
         self._write = write
         self._register_exit_hook()
-        _daemon(f"stagesafe-handoff-device {request.uri}", self._device_work, write)
+        _WriteThread(f"stagesafe-handoff-device {request.uri}", self._device_work, write, self).start()
         if write.writes_here:
-            _daemon(f"stagesafe-handoff-write {request.uri}", self._write_shards, write)
+            _WriteThread(f"stagesafe-handoff-write {request.uri}", self._write_shards, write, self).start()
         else:
             write.state = "writing"  # elsewhere: rank 0 writes it
             write.finished.set()
@@ -255,6 +258,17 @@ class HandoffWriter:
         if write.channel.get("check") != "running":
             self.join()
 
+    def finish_threads(self, write: _Write) -> None:
+        """Let ``write``'s threads end (local, bounded by the timeout) and join them; its outcome stays for
+        :meth:`join`, which raises a failure where the strategy always raises it."""
+        write.returned.set()
+        what = f"writing the handoff {write.uri!r}"
+        _wait_event(write.device_done, self.timeout, f"{what}: the device work")
+        _wait_event(write.finished, 2 * self.timeout, what)
+        for thread in write.threads:
+            if thread is not threading.current_thread():
+                thread.join(self.timeout)
+
     def join(self) -> Commit | None:
         """Block until the write is committed or failed (every rank calls this); raise a failure on every
         rank. Returns rank 0's :class:`Commit`."""
@@ -340,8 +354,18 @@ def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
     os._exit(status)  # the exit status is fixed before exit hooks run: only this makes it non-zero
 
 
-def _daemon(name: str, target: Callable[[_Write], None], write: _Write) -> None:
-    threading.Thread(target=target, args=(write,), name=name, daemon=True).start()
+class _WriteThread(threading.Thread):
+    """A daemon thread of one write. ``stop()`` finishes the write (every thread of it) and returns with this
+    thread dead: what Lightning's test suite calls on a daemon thread a test left running."""
+
+    def __init__(self, name: str, target: Callable[[_Write], None], write: _Write, writer: HandoffWriter) -> None:
+        super().__init__(target=target, args=(write,), name=name, daemon=True)
+        self._write, self._writer = write, writer
+        write.threads.append(self)
+
+    def stop(self) -> None:
+        self._writer.finish_threads(self._write)
+        self.join(self._writer.timeout)
 
 
 def _wait_event(event: threading.Event, timeout: float, what: str) -> None:

@@ -7,6 +7,9 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   per_rank_folders  each rank its own default_root_dir; fit, then test; print digests.
   resume            a later job: resume_from, test; print the module's digest.
   fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings.
+  thread_rule       fit, then Lightning's test-suite thread check (its conftest's logic): every thread the fit
+                    left must be a daemon whose stop() leaves it dead; print "STOPPED <names>", then what
+                    strategy.deepspeed_engine raises, then the committed handoff's digest ("HANDOFF").
 Rank 0 prints "DIGEST <sha256>" (and "TESTED <sha256>" after a test).
 """
 
@@ -15,12 +18,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
-from toy import ToyModule, dataloader, state_digest  # noqa: E402
+from toy import ToyModule, dataloader, state_digest, state_digest_of  # noqa: E402
 
 import stagesafe  # noqa: E402
 
@@ -35,6 +39,7 @@ def main() -> None:
         handoff_uri=spec.get("handoff_uri"),
         storage_options=spec.get("storage_options"),
         resume_from=spec.get("resume_from"),
+        max_shard_size=spec.get("max_shard_size", "5GB"),
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=spec.get("max_steps", 3),
@@ -43,6 +48,7 @@ def main() -> None:
     )
     torch.manual_seed(0)
     module = ToyModule()
+    threads_before = set(threading.enumerate())
     if mode == "resume":
         trainer.test(module, dataloaders=dataloader(), verbose=False)
         if rank == 0:
@@ -61,12 +67,81 @@ def main() -> None:
             print("AGAIN", state_digest(module), flush=True)
             for warning in caught:
                 print("WARNING", str(warning.message).replace("\n", " "), flush=True)
+    if mode == "thread_rule":
+        stopped = _thread_check(threads_before)
+        try:
+            strategy.deepspeed_engine
+        except stagesafe.EngineReleasedError as exc:
+            print(f"ENGINE rank{rank} EngineReleasedError: {exc}", flush=True)
+        if rank == 0:
+            print("STOPPED", ",".join(stopped) or "-", flush=True)
+            print("HANDOFF", state_digest_of(stagesafe.load_state_dict(strategy.last_boundary.uri)), flush=True)
+        _lightnings_warnings(trainer, module, root, rank)
     if mode == "per_rank_folders":
         trainer.test(module, dataloaders=dataloader(), verbose=False)
         if rank == 0:
             print("TESTED", state_digest(module), flush=True)
     # the script ends here: the handoff of the last fit may still be being written
 
+
+def _lightnings_warnings(trainer: pl.Trainer, module: ToyModule, root: str, rank: int) -> None:
+    """Paths stock Lightning warns on: saving a ZeRO-3 folder between calls, and resuming fit from a single
+    file with load_full_weights. Rank 0 prints each warning as "WARNING <text>"."""
+    import warnings
+
+    from lightning.pytorch.utilities.deepspeed import convert_zero_checkpoint_to_fp32_state_dict
+
+    folder, single = os.path.join(root, "between.ckpt"), os.path.join(root, "single.ckpt")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.save_checkpoint(folder)
+        if rank == 0:
+            convert_zero_checkpoint_to_fp32_state_dict(folder, single)
+        trainer.strategy.barrier()
+        strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3, load_full_weights=True)
+        again = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=5, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, default_root_dir=root,
+        )
+        again.fit(module, train_dataloaders=dataloader(), ckpt_path=single)
+    if rank == 0:
+        for warning in caught:
+            print("WARNING", str(warning.message).replace("\n", " "), flush=True)
+
+
+def _thread_check(before: set[threading.Thread]) -> list[str]:
+    """Lightning's ``thread_police_duuu_daaa_duuu_daaa`` (tests_pytorch/conftest.py, 2.6.5), as written there
+    (less its XLA skip), on the threads the fit left: a daemon with a callable ``stop`` is stopped and must be
+    dead; threads of a few known kinds are joined or let be; any other fails. Returns the stopped names."""
+    from concurrent.futures.process import _ExecutorManagerThread
+
+    from lightning.fabric.strategies.launchers.subprocess_script import _ChildProcessObserver
+    from tqdm import TMonitor
+
+    stopped = []
+    for thread in set(threading.enumerate()) - before:
+        stop = getattr(thread, "stop", None) or getattr(thread, "exit", None)
+        if thread.daemon and callable(stop):
+            stop()
+            assert not thread.is_alive()
+            stopped.append(thread.name.split(" ")[0])
+        elif isinstance(thread, _ChildProcessObserver):
+            thread.join(timeout=10)
+        elif thread.name in ("QueueFeederThread", "QueueManagerThread") or "(_read_thread)" in thread.name:
+            thread.join(timeout=20)
+        elif isinstance(thread, TMonitor):
+            thread.exit()
+        elif (
+            isinstance(thread, _ExecutorManagerThread)
+            or "ThreadPoolExecutor-" in thread.name
+            or thread.name == "InductorSubproc"
+        ):
+            continue
+        elif thread.name == "fsspecIO":
+            continue
+        else:
+            raise AssertionError(f"Test left zombie thread: {thread}")
+    return sorted(stopped)
 
 if __name__ == "__main__":
     main()

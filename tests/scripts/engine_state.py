@@ -7,6 +7,7 @@ bf16-mixed, AdamW with weight decay and a step-wise lr schedule, on a model with
 Lightning starts rank 1 by re-running this command line; rank 0 saves what it saw under OUT/<config>/.
 On a GPU (``ENGINE_STATE_GPU=1``): one device, the 1.41B GPT of benchmarks/bench_leave_fit.py, stock's resume
 left out, and each handoff digested per tensor (``<name>.digests.json``) and deleted to spare the disk.
+``ENGINE_STATE_CASES=a`` or ``b`` runs only those cases of PHASE ``first`` (one device's time is short).
 
 PHASE ``first`` (one process, every config in turn):
   a-new, a-same: fit (lr 1e-2, 4 steps) -> handoff H1; fit (lr 0) -> H2, with a new Trainer / the same one.
@@ -42,6 +43,7 @@ from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 STEPS_PER_EPOCH = 4  # 32 samples, 2 ranks, batches of 4 (on a GPU: 8 sequences, 1 device, batches of 2)
 GPU = os.environ.get("ENGINE_STATE_GPU") == "1"
+CASES = os.environ.get("ENGINE_STATE_CASES", "all")  # "a": only (a); "b": only the fits (b) resumes from
 
 
 class GPTModule(pl.LightningModule):
@@ -157,7 +159,7 @@ def lr_zero(module: AdamWModule) -> None:
 
 
 def first(cfg: dict, out: str) -> None:
-    for mode in ("new", "same"):
+    for mode in ("new", "same") if CASES in ("all", "a") else ():
         module = new_module(cfg, lr=1e-2)
         t1 = trainer(stagesafe_strategy(cfg, f"{out}/a-{mode}-h1"), max_steps=STEPS_PER_EPOCH)
         t1.fit(module, data())
@@ -174,6 +176,8 @@ def first(cfg: dict, out: str) -> None:
         del module, t1, t2
         release()
 
+    if CASES == "a":
+        return
     module = new_module(cfg, lr=1e-2)
     straight = trainer(stagesafe_strategy(cfg, f"{out}/straight"), max_epochs=2)
     straight.fit(module, data())
