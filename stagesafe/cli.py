@@ -47,10 +47,13 @@ examples:
 _VERIFY_EPILOG = """\
 Re-hashes every shard and compares it with the digest and size in the manifest, and checks the index;
 says which digest it checked (xxh3-128-tree, blake3, or sha256 for handoffs written before the digest was
-named). Exit 0 when all match, 1 naming the first shard that does not, 2 when URL holds no handoff.
+named). Exit 0 when all match, 1 naming the first shard that does not (or an index that differs from the
+manifest: loaders that follow the index would read other tensors), 2 when URL holds no handoff.
+--fix-index rewrites such an index from the manifest once every shard verified.
 
 examples:
   stagesafe verify weights/run1
+  stagesafe verify weights/run1 --fix-index
   stagesafe verify s3://bucket/weights --storage-option profile=prod && echo intact
 """
 
@@ -157,6 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("url", metavar="URL", help="handoff folder (path or URL)")
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
+    p.add_argument("--fix-index", action="store_true", help="rewrite an index that differs from the manifest")
     return parser
 
 
@@ -259,7 +263,7 @@ def _inspect(args: argparse.Namespace) -> int:
         out.append(
             f"{line} ({kinds['param']:,} trained, {kinds['frozen']:,} frozen, {kinds['buffer']:,} buffer elements)"
         )
-    print("\n".join(out))
+    print("\n".join(_escaped(line) for line in out))  # names come from the file
     return EXIT_OK
 
 
@@ -271,7 +275,7 @@ def _verify(args: argparse.Namespace) -> int:
 
     options = dict(args.storage_options) or None
     try:
-        manifest = verify(args.url, storage_options=options)
+        manifest = verify(args.url, storage_options=options, fix_index=args.fix_index)
     except HandoffNotFoundError as exc:
         fs, root = resolve(args.url, options)
         if fs.isfile(join(root, "latest")):
@@ -288,6 +292,14 @@ def _verify(args: argparse.Namespace) -> int:
             f"(digest {digest_of(manifest)})"
         )
     return EXIT_OK
+
+
+def _escaped(text: str) -> str:
+    """``text`` with what a terminal would act on (escape sequences, bell, carriage return, ...) shown escaped:
+    names come from the file, and a crafted one must not rewrite the screen."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -36,7 +36,12 @@ from stagesafe.lightning.history import HandoffTarget, KeptTraining, history_of,
 from stagesafe.lightning.location import Location, agree_on_location
 from stagesafe.lightning.writer import HandoffWriter
 from stagesafe.zero import engine as zero
-from stagesafe.zero.checkpoint_writer import is_weights_only, write_engine_checkpoint, write_zero_checkpoint
+from stagesafe.zero.checkpoint_writer import (
+    holds_optimizer_state,
+    is_weights_only,
+    write_engine_checkpoint,
+    write_zero_checkpoint,
+)
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
@@ -343,6 +348,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         with weights only, written by rank 0, with a warning that names what is missing."""
         if self._engine_is_live:
             super().save_checkpoint(checkpoint, filepath, storage_options)
+            if self.is_global_zero:  # rank 0's path is the one stock broadcast; DeepSpeed wrote 'latest' there
+                holds_optimizer_state(os.fspath(filepath))
             return
         filepath = self.broadcast(filepath)
         if storage_options is not None:

@@ -353,6 +353,43 @@ def test_verify_names_the_bad_shard(handoff, capsys, damage):
     assert_one_error_line(err, os.path.basename(victim))
 
 
+def test_an_index_that_leaves_out_a_shard_fails_verify_and_fix_index_rewrites_it(handoff, capsys):
+    """Loaders that follow the index (transformers) would get a partial model: a committed handoff whose index
+    differs from its manifest is an error, even when what the index names exists and matches."""
+    index_path = handoff / "model.safetensors.index.json"
+    committed = json.loads(index_path.read_text())
+    second = shard_files(handoff)[1]
+    partial = {n: f for n, f in committed["weight_map"].items() if f != os.path.basename(second)}
+    index_path.write_text(json.dumps({"metadata": committed["metadata"], "weight_map": partial}))
+    code, out, err = run(capsys, "verify", str(handoff))
+    assert code == 1 and out == ""
+    assert_one_error_line(err, "differs from the committed manifest", "tensor(s) missing", "--fix-index")
+    code, out, err = run(capsys, "verify", str(handoff), "--fix-index")
+    assert code == 0 and out.startswith("ok: ")
+    assert json.loads(index_path.read_text()) == committed
+    assert run(capsys, "verify", str(handoff))[0] == 0
+
+
+def test_a_shard_that_is_a_symlink_loop_is_one_line_exit_1(handoff, capsys):
+    victim = shard_files(handoff)[0]
+    os.remove(victim)
+    os.symlink(os.path.basename(victim), victim)  # a link to itself
+    code, out, err = run(capsys, "verify", str(handoff))
+    assert code == 1 and out == ""
+    assert_one_error_line(err, os.path.basename(victim), "leads to itself")
+
+
+def test_inspect_shows_control_characters_in_names_escaped(tmp_path, capsys):
+    from stagesafe.handoff.store import save_state_dict
+
+    name = "layer\x1b[2J\x07\rhidden"
+    save_state_dict({name: torch.zeros(2)}, str(tmp_path / "h"))
+    code, out, err = run(capsys, "inspect", str(tmp_path / "h"))
+    assert code == 0 and err == ""
+    assert "\x1b" not in out and "\x07" not in out and "\r" not in out  # nothing a terminal would act on
+    assert "layer\\x1b[2J\\x07\\rhidden" in out
+
+
 def test_verify_without_handoff_is_exit_2(ckpts, tmp_path, capsys):
     code, _, err = run(capsys, "verify", str(tmp_path))
     assert code == 2

@@ -13,6 +13,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 import stagesafe
 from _launch import LaunchError, run_ranks, sanitized_env
@@ -124,6 +125,39 @@ def test_a_signal_ends_a_process_whose_write_waits_for_a_rank_that_is_gone(tmp_p
         assert proc.returncode == 130 and "interrupted while the handoff" in err
 
 
+_COMMITTED_THEN_WAITING = """
+import signal, sys, torch, torch.distributed as dist
+signal.signal(signal.SIGINT, signal.default_int_handler)
+from stagesafe.lightning.agree import JobChannel
+from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+channel = JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600)
+writer = HandoffWriter(channel, writers=1, timeout=600)  # rank 0 writes it all; rank 1 never says it has left
+writer.start(WriteRequest(values={"w": torch.ones(3)}, uri=sys.argv[1], storage_options=None, max_shard_size="1GB",
+                          metadata={}))
+print("started", flush=True)
+"""
+
+
+def test_ctrl_c_after_the_commit_landed_says_it_was_committed(tmp_path):
+    """The exit hook commits, then rank 0 waits for the others to read the outcome: Ctrl+C there must not
+    report an uncommitted write while the handoff holds it."""
+    uri = str(tmp_path / "h")
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _COMMITTED_THEN_WAITING, uri],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sanitized_env(),
+    )
+    assert proc.stdout.readline().startswith("started")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(os.path.join(uri, "stagesafe.json")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # past the commit, in the wait for rank 1
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "it was committed before the interrupt" in err and "not committed" not in err, err
+    assert torch.equal(stagesafe.load_state_dict(uri)["w"], torch.ones(3))
+
+
 def test_after_fit_only_the_write_is_left_lightnings_thread_check_stops_it_and_its_warnings_are_kept(tmp_path):
     """Lightning's own test suite fails a test that leaves a thread it cannot stop; after fit on 2 ranks the
     background write is the only thread left, its stop() ends it with the handoff committed, and the engine
@@ -146,3 +180,12 @@ def test_after_fit_only_the_write_is_left_lightnings_thread_check_stops_it_and_i
     assert any("When saving the DeepSpeed Stage 3 checkpoint, each worker will save a shard" in w for w in warned)
     assert any("A single checkpoint file has been given. This means optimizer states cannot be restored." in w
                for w in warned)
+
+
+def test_deepspeed_saving_into_a_weights_only_checkpoint_folder_removes_its_marker(tmp_path):
+    """save_checkpoint(p) between calls without the optimizer state marks p weights-only; DeepSpeed saving
+    into p during a later fit writes the optimizer state there, and a resume from p must take it."""
+    rank0, _ = _job({"mode": "marker", "root": str(tmp_path), "handoff_uri": str(tmp_path / "h"), "max_steps": 2})
+    assert _printed(rank0, "MARKER") == "False"
+    warned = [line for line in rank0.stdout.splitlines() if line.startswith("WARNING ")]
+    assert not any("optimizer starts afresh" in w or "no optimizer state" in w for w in warned), warned

@@ -105,7 +105,14 @@ def _open_checked(root: str, name: str, *, error: type[StageSafeError], what: st
             f"{what} is a symbolic link to {shown(real)}, outside the folder {shown(folder)}; a handoff or "
             "checkpoint holds its own files, copy the file into the folder instead of linking it"
         )
-    checked = os.stat(real)  # FileNotFoundError for a dangling link
+    try:
+        checked = os.stat(real)  # FileNotFoundError for a dangling link
+    except OSError as exc:
+        if isinstance(exc, (FileNotFoundError, PermissionError)):
+            raise
+        raise error(  # ELOOP: links that lead to each other; ENAMETOOLONG, ...
+            f"{what} cannot be opened ({exc.strerror}: a symbolic link that leads to itself?); it was not read"
+        ) from None
     if not stat.S_ISREG(checked.st_mode):
         raise error(f"{what} is {_kind(checked.st_mode)}, not a regular file; it was not opened")
     try:

@@ -636,28 +636,53 @@ def verify(
     storage_options: dict[str, Any] | None = None,
     workers: int | None = None,
     retry: RetryPolicy | None = None,
+    fix_index: bool = False,
 ) -> dict[str, Any]:
     """Re-hash every shard of the handoff at ``uri`` against its manifest, check their contents and the index.
 
     Streams each shard, ``workers`` at a time (default: 4 on a remote filesystem, 1 on a local disk), so memory
     stays bounded. Raises ``HandoffCorruptError`` naming the shard and what differs; returns the manifest.
+    ``fix_index``: an index that differs from the manifest is rewritten from it (once the shards verified)
+    instead of being an error.
     """
     fs, root = resolve(uri, storage_options)
     workers = _check_workers(workers, fs)
     retry = _check_retry(retry)
+    if not isinstance(fix_index, bool):
+        raise InvalidArgumentError(f"fix_index={fix_index!r} must be True or False")
     fs.invalidate_cache(root)  # sizes must come from the store, not from a listing cached before a write
     manifest = _fetch_manifest(fs, root, retry)
-    return _while_unchanged(fs, root, manifest, retry, lambda m: _verify(fs, root, m, workers=workers, retry=retry))
+    return _while_unchanged(
+        fs, root, manifest, retry, lambda m: _verify(fs, root, m, workers=workers, retry=retry, fix_index=fix_index)
+    )
 
 
 def _verify(
-    fs: fsspec.AbstractFileSystem, root: str, manifest: dict[str, Any], *, workers: int, retry: RetryPolicy
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    manifest: dict[str, Any],
+    *,
+    workers: int,
+    retry: RetryPolicy,
+    fix_index: bool,
 ) -> dict[str, Any]:
     def check(file_name: str, stop: threading.Event) -> None:
         _verify_shard(fs, root, manifest, file_name, retry=retry, stop=stop)
 
+    # The index first, right after the manifest: a writer replacing the handoff while the shards are hashed
+    # rewrites the index too, and only one read just after the manifest's can be expected to match it.
+    stale = _index_difference(fs, root, manifest, retry)
     _each(list(manifest["shards"]), check, workers)
-    _check_index(fs, root, manifest, retry)
+    if stale is not None and fix_index:
+        _write_index(fs, root, manifest, retry)
+        log.warning("stagesafe: %s; it was rewritten from the manifest", stale)
+    elif stale is not None:
+        raise HandoffCorruptError(
+            f"{stale}. Loaders that follow the index (transformers, safetensors' sharded loaders) would read "
+            "other tensors than the handoff holds; its shards verified against the manifest. Rewrite the index "
+            f"from the manifest: stagesafe verify --fix-index {url_of(fs, root)} (or stagesafe.verify(url, "
+            "fix_index=True)), or save the handoff again"
+        )
     return manifest
 
 
@@ -1029,8 +1054,11 @@ def _check_contents(
             )
 
 
-def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str, Any], retry: RetryPolicy) -> None:
-    """Hugging Face loaders read the index, not the manifest: it must say the same."""
+def _index_difference(
+    fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str, Any], retry: RetryPolicy
+) -> str | None:
+    """How the Hugging Face index differs from the manifest (loaders read the index, not the manifest), or
+    None where they agree. A missing or malformed index says so."""
     where = f"{url_of(fs, root)}/{INDEX_NAME}"
     try:
         raw = _transfer(
@@ -1039,28 +1067,27 @@ def _check_index(fs: fsspec.AbstractFileSystem, root: str, manifest: Mapping[str
             retry=retry,
         )
     except FileNotFoundError:
-        raise HandoffCorruptError(
-            f"{where} is missing; Hugging Face loaders need it, write the handoff again"
-        ) from None
-    weight_map, total_size = _index_entries(_json(raw, where), where)
-    if weight_map != manifest["weight_map"] and _index_of_an_interrupted_save(fs, root, weight_map, where):
-        log.warning(
-            "stagesafe: %s belongs to a save that was interrupted before its manifest; the committed handoff is "
-            "intact and verified, the next save rewrites the index",
-            where,
+        return f"{where} is missing"
+    try:
+        weight_map, total_size = _index_entries(_json(raw, where), where)
+    except HandoffCorruptError as exc:
+        return str(exc).removesuffix("; write the handoff again")
+    if weight_map != manifest["weight_map"]:
+        missing = [n for n in manifest["weight_map"] if n not in weight_map]
+        extra = [n for n in weight_map if n not in manifest["weight_map"]]
+        moved = [n for n in manifest["weight_map"] if n in weight_map and weight_map[n] != manifest["weight_map"][n]]
+        parts = [f"{len(missing)} tensor(s) missing, e.g. {shown(missing[0])}" if missing else "",
+                 f"{len(extra)} tensor(s) the manifest does not have, e.g. {shown(extra[0])}" if extra else "",
+                 f"{len(moved)} tensor(s) in another shard, e.g. {shown(moved[0])} in {weight_map[moved[0]]!r}, "
+                 f"the manifest's {manifest['weight_map'][moved[0]]!r}" if moved else ""]
+        interrupted = _index_of_an_interrupted_save(fs, root, weight_map, where)
+        return (
+            f"{where} differs from the committed manifest: {'; '.join(p for p in parts if p)}"
+            + (" (it is the index of a later save that was interrupted before its manifest)" if interrupted else "")
         )
-        return
-    for name in sorted(set(weight_map) | set(manifest["weight_map"])):
-        if weight_map.get(name) != manifest["weight_map"].get(name):
-            raise HandoffCorruptError(
-                f"{where} puts {shown(name)} in shard {weight_map.get(name)!r}, the manifest in "
-                f"{manifest['weight_map'].get(name)!r}; a write was interrupted or the file was edited, "
-                "write the handoff again"
-            )
     if total_size != manifest["total_size"]:
-        raise HandoffCorruptError(
-            f"{where} says total_size {total_size}, the manifest {manifest['total_size']}; write the handoff again"
-        )
+        return f"{where} says total_size {total_size}, the manifest {manifest['total_size']}"
+    return None
 
 
 def _index_entries(index: Any, where: str) -> tuple[dict[str, str], int]:

@@ -34,9 +34,11 @@ from typing import Any
 
 import torch
 
-from stagesafe.errors import DistributedStageError
+from stagesafe.errors import DistributedStageError, HandoffNotFoundError
 from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.store import Commit, remove_replaced
+from stagesafe.handoff.plan import tag_for
+from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.handoff.store import Commit, read_manifest, remove_replaced
 from stagesafe.lightning.agree import JobChannel, describe, quoted
 from stagesafe.lightning.shared_write import write_share
 
@@ -335,13 +337,14 @@ def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
     if writer is None or not writer.pending:
         return
     uri = writer.pending_uri
+    write = writer._write
     try:
         writer.join_at_exit()
         if writer.rank == 0:
             log.info("stagesafe: the handoff %s was committed before the interpreter exited", uri)
         return
     except KeyboardInterrupt:
-        message = f"interrupted while the handoff {uri!r} was being written; it was not committed"
+        message = f"interrupted while the handoff {uri!r} was being written; {_committed_or_not(write)}"
         status = 130
     except BaseException as exc:  # noqa: BLE001 - the process must not end as if all went well
         message, status = f"the handoff write to {uri!r} failed as the interpreter exited: {describe(exc)}", 1
@@ -366,6 +369,23 @@ class _WriteThread(threading.Thread):
     def stop(self) -> None:
         self._writer.finish_threads(self._write)
         self.join(self._writer.timeout)
+
+
+def _committed_or_not(write: _Write | None) -> str:
+    """What is true of an interrupted write, from the manifest there now: a commit may have landed just before."""
+    if write is None:
+        return "whether it was committed is unknown: run stagesafe verify on it"
+    try:
+        options = dict(write.request.storage_options or {})
+        manifest = read_manifest(write.uri, storage_options=options, retry=RetryPolicy(attempts=1))
+    except HandoffNotFoundError:
+        return "it was not committed: the folder holds no handoff"
+    except Exception as exc:  # noqa: BLE001 - unreadable: said as such
+        return f"whether it was committed could not be read ({describe(exc)}): run stagesafe verify on it"
+    tag = tag_for(write.channel.prefix)
+    if any(name.startswith(f"model-{tag}-") for name in manifest["shards"]):
+        return "it was committed before the interrupt: the handoff holds this write's weights"
+    return "it was not committed: the handoff there holds an earlier write's weights, unchanged"
 
 
 def _wait_event(event: threading.Event, timeout: float, what: str) -> None:

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["WEIGHTS_ONLY_MARKER", "write_engine_checkpoint", "write_zero_checkpoint", "is_weights_only"]
+__all__ = [
+    "WEIGHTS_ONLY_MARKER",
+    "write_engine_checkpoint",
+    "write_zero_checkpoint",
+    "is_weights_only",
+    "holds_optimizer_state",
+]
 
 WEIGHTS_ONLY_MARKER = "stagesafe_weights_only.json"
 
@@ -51,8 +57,14 @@ def write_engine_checkpoint(
     if latest:
         with open(os.path.join(path, "latest"), "w") as f:
             f.write(tag)
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(path, WEIGHTS_ONLY_MARKER))
+        holds_optimizer_state(path)
+
+
+def holds_optimizer_state(path: str) -> None:
+    """A full DeepSpeed checkpoint was just written into ``path``: an earlier weights-only save's marker goes,
+    so that a resume from it takes the optimizer state that is there now."""
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(os.path.join(path, WEIGHTS_ONLY_MARKER))
 
 
 def write_zero_checkpoint(

@@ -7,6 +7,9 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   per_rank_folders  each rank its own default_root_dir; fit, then test; print digests.
   resume            a later job: resume_from, test; print the module's digest.
   fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings.
+  marker            keep_optimizer_state=False: fit, save_checkpoint(p) (weights only, marked so); fit again, saving
+                    into p from a callback (DeepSpeed's own checkpoint, optimizer included); print "MARKER" and
+                    whether it is still there, then the warnings of a new Trainer's fit(ckpt_path=p).
   thread_rule       fit, then Lightning's test-suite thread check (its conftest's logic): every thread the fit
                     left must be a daemon whose stop() leaves it dead; print "STOPPED <names>", then what
                     strategy.deepspeed_engine raises, then the committed handoff's digest ("HANDOFF").
@@ -40,6 +43,7 @@ def main() -> None:
         storage_options=spec.get("storage_options"),
         resume_from=spec.get("resume_from"),
         max_shard_size=spec.get("max_shard_size", "5GB"),
+        keep_optimizer_state=mode != "marker",
     )
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=spec.get("max_steps", 3),
@@ -67,6 +71,8 @@ def main() -> None:
             print("AGAIN", state_digest(module), flush=True)
             for warning in caught:
                 print("WARNING", str(warning.message).replace("\n", " "), flush=True)
+    if mode == "marker":
+        _marker_after_deepspeed_saves(trainer, module, root, rank)
     if mode == "thread_rule":
         stopped = _thread_check(threads_before)
         try:
@@ -82,6 +88,39 @@ def main() -> None:
         if rank == 0:
             print("TESTED", state_digest(module), flush=True)
     # the script ends here: the handoff of the last fit may still be being written
+
+
+def _marker_after_deepspeed_saves(trainer: pl.Trainer, module: ToyModule, root: str, rank: int) -> None:
+    import warnings
+
+    from stagesafe.zero.checkpoint_writer import WEIGHTS_ONLY_MARKER
+
+    path = os.path.join(root, "shared.ckpt")
+    trainer.save_checkpoint(path)  # between calls, optimizer state not kept: weights only, marked
+
+    class SaveAtTheEnd(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            trainer.save_checkpoint(path)  # the engine is live: DeepSpeed's own, with the optimizer state
+
+    again = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=stagesafe.StageSafeDeepSpeedStrategy(stage=3), precision="bf16-mixed",
+        max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root, callbacks=[SaveAtTheEnd()],
+    )
+    again.fit(module, train_dataloaders=dataloader())
+    if rank == 0:
+        print("MARKER", os.path.exists(os.path.join(path, WEIGHTS_ONLY_MARKER)), flush=True)
+    resumed = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=stagesafe.StageSafeDeepSpeedStrategy(stage=3), precision="bf16-mixed",
+        max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=root,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed.fit(module, train_dataloaders=dataloader(), ckpt_path=path)
+    if rank == 0:
+        for warning in caught:
+            print("WARNING", str(warning.message).replace("\n", " "), flush=True)
 
 
 def _lightnings_warnings(trainer: pl.Trainer, module: ToyModule, root: str, rank: int) -> None:
