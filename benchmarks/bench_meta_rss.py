@@ -1,4 +1,4 @@
-"""Peak host memory per rank against model size: restore="cpu" against restore="meta", same handoff, one run.
+"""Peak host memory per rank against model size: between_stages="cpu" against "meta", same handoff, one run.
 
 Reproduce (CPU, 2 processes):  DS_ACCELERATOR=cpu python benchmarks/bench_meta_rss.py --layers 2 6 12
 On two GPUs:                   python benchmarks/bench_meta_rss.py --accelerator gpu --width 8192 --layers 4 12 24
@@ -61,7 +61,7 @@ def job(args: argparse.Namespace) -> None:
     after = {}
     for stage in ("fit", "test", "fit"):
         strategy = StageSafeDeepSpeedStrategy(
-            stage=3, handoff_uri=os.path.join(args.out, "handoff"), resume_from=args.handoff, restore=args.mode
+            stage=3, handoff_uri=os.path.join(args.out, "handoff"), resume_from=args.handoff, between_stages=args.mode
         )
         trainer = pl.Trainer(
             accelerator=args.accelerator, devices=2, strategy=strategy, precision="bf16-mixed", max_steps=1, logger=False,
@@ -112,11 +112,14 @@ def main() -> None:
             env = {k: v for k, v in os.environ.items() if k not in ("MASTER_PORT", "MASTER_ADDR", "RANK", "LOCAL_RANK", "WORLD_SIZE")}
             if args.accelerator == "cpu":
                 env.setdefault("DS_ACCELERATOR", "cpu")
-            subprocess.run(
+            job_run = subprocess.run(
                 [sys.executable, HERE, "--job", "--mode", mode, "--layers", str(layers), "--width", str(args.width),
                  "--handoff", handoff, "--out", out, "--accelerator", args.accelerator],
-                env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                env=env, check=False, capture_output=True, text=True,
             )
+            if job_run.returncode != 0:  # the job's own last lines say why
+                sys.exit(f"the {mode} job with {layers} layers failed (exit {job_run.returncode}):\n"
+                         + "\n".join((job_run.stdout + job_run.stderr).splitlines()[-30:]))
             ranks = [json.load(open(os.path.join(out, f"rss.rank{r}.json"))) for r in (0, 1)]
             afters = ", ".join(f"{v:.0f}" for v in ranks[0]["after_mb"].values())
             print(f"| {n / 1e6:.0f}M | {n * 4 / 1e6:.0f} MB | {mode} | {ranks[0]['peak_mb']:.0f} / {ranks[1]['peak_mb']:.0f} | {afters} |",

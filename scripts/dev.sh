@@ -26,6 +26,8 @@ export DS_ACCELERATOR=${DS_ACCELERATOR:-cpu}
 # DeepSpeed JIT-builds its CPU comm op once per environment; a folder per venv keeps two checkouts from
 # rebuilding each other's (the build is keyed by the source path)
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/$VENV/torch_extensions}
+# and one ninja: the venv's (ninja's logs differ between versions, and a build by another ninja is redone)
+export PATH="$PWD/$VENV/bin:$PATH"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 case "${1:-}" in
     demo) setup; exec "$VENV/bin/python" examples/stage_sequence.py "${@:2}" ;;

@@ -90,7 +90,10 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    """The public names (and submodules already imported), not the helpers this file imports."""
+    submodules = [name for name, value in globals().items() if isinstance(value, types.ModuleType)
+                  and getattr(value, "__name__", "").startswith(f"{__name__}.")]
+    return sorted(set(__all__) | set(submodules))
 
 
 class _Package(types.ModuleType):

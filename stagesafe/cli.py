@@ -26,7 +26,8 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _CONSOLIDATE_EPILOG = """\
 SRC is the folder engine.save_checkpoint(SRC) wrote (it holds 'latest' and a tag folder such as
 global_step100), or the folder Lightning's trainer.save_checkpoint("x.ckpt") wrote under DeepSpeed, or a
-tag folder itself. DST receives model-0000i-of-0000n.safetensors, model.safetensors.index.json and the
+tag folder itself. DST receives shards named model-<tag>-0000i-of-0000n.safetensors (<tag>: 8 hex digits of
+this write's own, e.g. model-3f9a01c2-00001-of-00002.safetensors), model.safetensors.index.json and the
 manifest stagesafe.json (the digest of every shard). Both may be local paths or fsspec URLs.
 
 examples:
@@ -127,7 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dst", metavar="DST", help="destination folder (path or URL)")
     p.add_argument("--tag", help="tag folder to read (default: the one the 'latest' file names)")
     p.add_argument(
-        "--dtype", choices=("fp32", "bf16", "fp16"), help="cast floating tensors (default: as saved, fp32 masters)"
+        "--dtype",
+        type=_dtype,
+        metavar="DTYPE",
+        help="cast floating tensors: fp32, bf16 or fp16 (or float32, bfloat16, float16, torch.bfloat16, ...; "
+        "default: as saved, fp32 masters)",
     )
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help=f"largest shard, e.g. 5GB, 500MB, 2GiB (default: {DEFAULT_MAX_SHARD_SIZE})")
@@ -191,9 +196,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a storage backend's own error (credentials, ...) or a bug: one line unless asked
         if args.traceback:
             raise
+        hint = _STORAGE_HINTS.get(type(exc).__name__)
         return _fail(
-            exc, EXIT_FAILED, f"{type(exc).__module__}.{type(exc).__qualname__}: ", " (--traceback shows where)"
+            exc,
+            EXIT_FAILED,
+            f"{type(exc).__module__}.{type(exc).__qualname__}: ",
+            f"; {hint}" if hint else " (--traceback shows where)",
         )
+
+
+# What to do about the errors object-store clients raise for credentials and configuration (botocore's names).
+_STORAGE_HINTS = {
+    "NoCredentialsError": "no credentials were found for the object store: set AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY, or name a profile with -o profile=NAME, or read a public bucket with -o anon=true",
+    "PartialCredentialsError": "the object store's credentials are incomplete: set both AWS_ACCESS_KEY_ID and "
+    "AWS_SECRET_ACCESS_KEY (and AWS_SESSION_TOKEN for temporary ones), or use -o profile=NAME",
+    "ProfileNotFound": "that profile is not in ~/.aws/config or ~/.aws/credentials: check -o profile=NAME "
+    "(or AWS_PROFILE), or leave it out to use the default credentials",
+    "NoRegionError": "no region is set for the object store: pass -o client_kwargs='{\"region_name\": \"...\"}' "
+    "or set AWS_DEFAULT_REGION",
+    "EndpointConnectionError": "the object store's endpoint cannot be reached: check the URL, the network, or "
+    "-o client_kwargs='{\"endpoint_url\": \"...\"}' for a store other than AWS",
+}
 
 
 def _fail(exc: BaseException, code: int, prefix: str = "", suffix: str = "") -> int:
@@ -222,7 +246,7 @@ def _consolidate(args: argparse.Namespace) -> int:
         print(
             f"wrote {len(manifest['weight_map'])} tensors ({_size(manifest['total_size'])}) in "
             f"{len(manifest['shards'])} shard{'s' if len(manifest['shards']) != 1 else ''} to {args.dst} "
-            f"(ZeRO-{source.get('zero_stage')}, {source.get('world_size')} ranks, tag {source.get('tag')})"
+            f"(ZeRO-{source.get('zero_stage')}, {_count(source.get('world_size'), 'rank')}, tag {source.get('tag')})"
         )
     return EXIT_OK
 
@@ -242,7 +266,7 @@ def _inspect(args: argparse.Namespace) -> int:
     else:
         out.append(
             f"DeepSpeed ZeRO-{info['zero_stage']} checkpoint {info['url']}, tag {info['tag']}, "
-            f"{info['world_size']} ranks, written by deepspeed {info['deepspeed_version']}"
+            f"{_count(info['world_size'], 'rank')}, written by deepspeed {info['deepspeed_version']}"
         )
         last = ("kind", lambda row: row.get("kind") or f"= {row['alias_of']} (tied)")
     rows = [(r["name"], r["dtype"], "[" + ", ".join(map(str, r["shape"])) + "]", last[1](r)) for r in info["tensors"]]
@@ -271,11 +295,19 @@ def _verify(args: argparse.Namespace) -> int:
     from stagesafe.handoff.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
     from stagesafe.handoff.plan import digest_of
-    from stagesafe.handoff.store import verify
+    from stagesafe.handoff.store import read_manifest, verify
+    from stagesafe.progress import bytes_bar
 
     options = dict(args.storage_options) or None
     try:
-        manifest = verify(args.url, storage_options=options, fix_index=args.fix_index)
+        total = sum(rec["size"] for rec in read_manifest(args.url, storage_options=options)["shards"].values())
+        bar = bytes_bar(False if args.quiet else None, total, f"verifying {args.url}")
+        try:
+            manifest = verify(args.url, storage_options=options, fix_index=args.fix_index,
+                              on_read=bar.update if bar is not None else None)
+        finally:
+            if bar is not None:
+                bar.close()
     except HandoffNotFoundError as exc:
         fs, root = resolve(args.url, options)
         if fs.isfile(join(root, "latest")):
@@ -292,6 +324,19 @@ def _verify(args: argparse.Namespace) -> int:
             f"(digest {digest_of(manifest)})"
         )
     return EXIT_OK
+
+
+def _dtype(value: str) -> str:
+    from stagesafe.consolidate import DTYPES
+
+    key = value.lower().removeprefix("torch.")
+    if key not in DTYPES:
+        raise argparse.ArgumentTypeError(f"{value!r} is not one of fp32, bf16, fp16 (or float32, bfloat16, float16)")
+    return key
+
+
+def _count(n: object, what: str) -> str:
+    return f"{n} {what}" + ("" if n == 1 else "s")
 
 
 def _escaped(text: str) -> str:

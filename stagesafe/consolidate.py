@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from stagesafe.handoff import store
 from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.workers import Workers
+from stagesafe.progress import bytes_bar
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
 from stagesafe.handoff.plan import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -90,13 +91,14 @@ def consolidate(
     limit = parse_size(max_shard_size)
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={workers!r} must be a positive int")
-    fs, root = resolve(dst, storage_options)
-    _check_destination(fs, root, overwrite)
-    existed = fs.exists(root)
+    # the source first: a checkpoint that is not there says so before the destination's storage is asked anything
     with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
+        fs, root = resolve(dst, storage_options)
+        _check_destination(fs, root, overwrite)
+        existed = fs.exists(root)
         taken = store.live_files(fs, root)
         plan = _plan(ckpt, out_dtype, limit, taken=taken)
-        bar = _progress_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
+        bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
         if bar is not None:
             plan.state_dict.on_read = bar.update
         metadata = {
@@ -329,18 +331,6 @@ def _remove(fs: Any, paths: list[str], root: str | None) -> None:
             fs.rmdir(root)
     except OSError:
         pass
-
-
-def _progress_bar(progress: bool | None, total: int, desc: str):
-    if progress is None:
-        progress = sys.stderr.isatty()
-    if not progress:
-        return None
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # pragma: no cover - tqdm is optional
-        return None
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr, leave=False)
 
 
 def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:

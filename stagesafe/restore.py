@@ -79,11 +79,17 @@ def assign_values(module: nn.Module, values: Mapping[str, torch.Tensor]) -> None
 
 
 def load_for(
-    module: nn.Module, uri: str, *, storage_options: Mapping[str, Any] | None = None, device: Any = None
+    module: nn.Module,
+    uri: str,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    device: Any = None,
+    progress: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """The handoff's tensors, checked to fit ``module`` and placed as it holds its own (dtype, device); the
-    module itself is not touched, so a caller can check every rank before any of them changes."""
-    values = load_state_dict(uri, storage_options=storage_options)
+    module itself is not touched, so a caller can check every rank before any of them changes. ``progress``:
+    as :func:`~stagesafe.handoff.store.load_state_dict`'s."""
+    values = load_state_dict(uri, storage_options=storage_options, progress=progress)
     check_fits(module, values)
     current = dict(module.named_parameters(remove_duplicate=False))
     for name, buf in module.named_buffers(remove_duplicate=False):

@@ -19,7 +19,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.deepspeed import warning_cache
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
@@ -98,6 +98,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
+        _check_keywords(kwargs)
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
         if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -105,6 +106,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self.storage_options = dict(storage_options or {})
         self.handoff_uri = _checked_url("handoff_uri", handoff_uri, self.storage_options)
         self.resume_from = _checked_url("resume_from", resume_from, self.storage_options)
+        if self.resume_from is not None and not _ranks_can_agree():
+            _check_local_handoff("resume_from", self.resume_from, self.storage_options)
         parse_size(max_shard_size)
         self.max_shard_size = max_shard_size
         if between_stages not in _BETWEEN_STAGES:
@@ -130,9 +133,28 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._calls = 0
         self._last_ending: Ending | None = None  # a call that failed on some rank: meet before the next
         self._failed_ranks: list[int] | None = None  # its failed ranks: later collectives may find the group broken
-        self.last_boundary: BoundaryReport | None = None
+        self._last_boundary: BoundaryReport | None = None
+
+    @property
+    def last_boundary(self) -> Optional[BoundaryReport]:
+        """The report of the last Trainer call's boundary (None before the first call ended): its stage, the
+        handoff's URL, seconds spent leaving and entering, seconds per phase, whether it wrote the handoff,
+        and whether the module came back clean. A background write adds its phases once it is done."""
+        return self._last_boundary
 
     # -- entering a stage -------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        """Lightning's; first, a ``resume_from`` the module will take is looked at on every rank, before
+        DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank."""
+        module = self.lightning_module
+        fresh = module is not None and history_of(module) is None
+        if self.resume_from is not None and fresh and not _ranks_can_agree():
+            from stagesafe.handoff.store import read_manifest
+
+            read_manifest(self.resume_from, storage_options=self.storage_options or None)
+        super().setup_environment()
+
     @contextlib.contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
@@ -196,7 +218,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._location = (target.uri, location)
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
-        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout)
+        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=_said_committed)
         return self._writer
 
     def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
@@ -485,7 +507,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         if ending.failed or ending.broken:  # the next call meets first; its collectives may find the group broken
             self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
         try:
-            self.last_boundary = boundary.exit(
+            self._last_boundary = boundary.exit(
                 engine,
                 trained=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
                 weights_from=self._weights_from(trainer) if trainer is not None else {},
@@ -498,7 +520,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 raise
             # The stage already failed: that error is the one to raise, not this consequence of it.
             log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
-            self.last_boundary = boundary.report
+            self._last_boundary = boundary.report
         finally:
             self.model = boundary.module
             self.optimizers = []
@@ -616,6 +638,59 @@ def _checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> O
         raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
     resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
     return os.fspath(value)
+
+
+def _said_committed(uri: str, commit: Any, seconds: float) -> None:
+    """Rank 0's line, at Lightning's default level, once a background write has committed."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    size = sum(record["size"] for record in commit.manifest["shards"].values())
+    metadata = commit.manifest.get("metadata", {})
+    what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
+    rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {_megabytes(size)} in {seconds:.1f} s)")
+
+
+def _ranks_can_agree() -> bool:
+    """A process group is up (a job that runs several Trainers): a handoff one rank cannot see is then found
+    by every rank together at the stage, so that no rank fails alone while the others wait for it. Before
+    it, a rank that fails ends the job through its launcher (Lightning's, torchrun)."""
+    import torch.distributed
+
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _check_keywords(kwargs: Mapping[str, Any]) -> None:
+    """A misspelt argument names this class and the argument meant, not Lightning's base class."""
+    import difflib
+    import inspect
+
+    known = set(inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters)
+    known |= set(inspect.signature(DeepSpeedStrategy.__init__).parameters)
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known - {"self", "args", "kwargs"}), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"StageSafeDeepSpeedStrategy() got an unexpected keyword argument {name!r}{hint}")
+
+
+def _check_local_handoff(name: str, url: str, storage_options: Mapping[str, Any]) -> None:
+    """A handoff on the local disk is looked at now, so that a mistyped path fails here and not once every
+    rank has started; one elsewhere is read at the first stage (every rank, before DeepSpeed starts)."""
+    from stagesafe.errors import HandoffNotFoundError
+    from stagesafe.handoff.fs import is_local
+    from stagesafe.handoff.plan import MANIFEST_NAME
+
+    fs, root = resolve(url, dict(storage_options))
+    if not is_local(fs):
+        return
+    if not os.path.isdir(root):
+        raise HandoffNotFoundError(f"{name}={url!r}: there is no such folder; pass the folder of a committed handoff")
+    if not os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        raise HandoffNotFoundError(
+            f"{name}={url!r} holds no committed handoff (no {MANIFEST_NAME}); pass the folder a strategy's handoff_uri "
+            "or stagesafe.save_state_dict wrote (a DeepSpeed checkpoint folder: consolidate it first, "
+            "stagesafe consolidate SRC DST)"
+        )
 
 
 def _has_meta_tensors(module: Module) -> bool:

@@ -12,6 +12,8 @@ import pytest
 # DeepSpeed JIT-builds its CPU comm op once per environment; a folder per venv keeps two checkouts from rebuilding
 # each other's (the build is keyed by the source path). The processes the tests start inherit it.
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(sys.prefix, "torch_extensions"))
+# And one ninja, the environment's own, as scripts/dev.sh has it: a build by another ninja is redone.
+os.environ["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])
 
 # Fixtures that run Trainer or DeepSpeed jobs (seconds to minutes): the tests that use them are left out of the
 # fast tier (scripts/dev.sh test-fast).

@@ -513,3 +513,45 @@ def test_a_commit_that_fails_in_an_empty_destination_leaves_no_shard_behind(ckpt
     assert code == 1, err
     assert_one_error_line(err, "model.safetensors.index.json")
     assert os.listdir(dst) == ["model.safetensors.index.json"]  # the shards written before the commit are gone
+
+
+_NO_AWS = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE":
+           "/nonexistent", "AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": ""}
+
+
+@pytest.mark.parametrize(
+    "options,error,hint",
+    [
+        (["-o", 'client_kwargs={"endpoint_url": "http://127.0.0.1:9"}'], "NoCredentialsError", "set AWS_ACCESS_KEY_ID"),
+        (["-o", "profile=no-such-profile"], "ProfileNotFound", "that profile is not in ~/.aws/config"),
+    ],
+)
+def test_an_object_store_credential_error_says_what_to_do(options, error, hint):
+    import subprocess
+
+    env = {k: v for k, v in sanitized_env().items() if not k.startswith("AWS_")}
+    env.update({k: v for k, v in _NO_AWS.items() if v})
+    result = subprocess.run([sys.executable, "-m", "stagesafe.cli", "verify", "s3://some-bucket/run", *options],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1, result.stderr
+    assert_one_error_line(result.stderr, error, hint)
+
+
+def test_consolidate_names_a_missing_source_before_asking_the_destinations_store(tmp_path, capsys, monkeypatch):
+    for key, value in _NO_AWS.items():
+        monkeypatch.setenv(key, value)
+    code, _, err = run(capsys, "consolidate", str(tmp_path / "no-such-checkpoint"), "s3://some-bucket/weights")
+    assert code == 2
+    assert_one_error_line(err, "no-such-checkpoint", "does not exist")
+    assert "credential" not in err.lower()
+
+
+def test_progress_counts_in_the_units_the_summary_prints(capsys):
+    from stagesafe.progress import bytes_bar
+
+    assert bytes_bar(None, 10, "x") is None  # pytest's stderr is no terminal: a non-interactive run is quiet
+    bar = bytes_bar(True, 470_500_000, "consolidating")
+    bar.update(470_500_000)
+    shown = str(bar)
+    bar.close()
+    assert "470M" in shown and "449M" not in shown  # "470.5 MB" in the summary line: decimal, not MiB

@@ -52,7 +52,7 @@ def _mkdocs_config() -> dict:
 
 
 def test_every_page_in_the_nav_exists():
-    generated = {"cli-reference.md"}
+    generated = {"cli-reference.md", "api-reference.md"}
     missing = [p for p in _nav_pages(_mkdocs_config()["nav"]) if p not in generated and not os.path.isfile(os.path.join(DOCS, p))]
     assert not missing, f"pages in mkdocs.yml's nav that docs/ lacks: {missing}"
 
@@ -73,6 +73,13 @@ def test_site_builds_strict(tmp_path):
     for flag in ("--max-shard-size", "--storage-option", "--overwrite", "--exclude-frozen", "--json"):
         assert flag in html
     assert not (site / "gen_cli_reference.py").exists()  # the generator is not published as a page asset
+    api = (site / "api-reference" / "index.html").read_text(encoding="utf-8")
+    import stagesafe
+
+    for name in stagesafe.__all__:  # every public name, with its docstring's first line
+        if name != "__version__":
+            assert name in api, f"{name} missing from the API reference"
+    assert "keep_optimizer_state" in api and "EngineReleasedError" in api
     assert not os.path.exists(os.path.join(DOCS, "cli-reference.md"))  # generated in memory, never a stale copy
 
 
@@ -148,3 +155,30 @@ def test_every_error_on_why_page_links_to_its_fix():
         assert re.search(r"\{#[a-z0-9-]+\}$", title), f"no stable anchor: {title}"
         assert "```text\n" in section, f"no verbatim message: {title}"
         assert "**Fix:**" in section and re.search(r"\]\([a-z0-9-]+\.md(#[a-z0-9-]+)?\)", section), title
+
+
+_SHARD_NAME = re.compile(r"model-[^\s`'\"*)]*?\.safetensors")
+_TAGGED = re.compile(r"model-(?:[0-9a-f]{8}|<tag>)-(?:\d{5}|<i>|0000i)-of-(?:\d{5}|<n>|0000n)\.safetensors")
+
+
+def test_the_shard_names_docs_and_help_show_are_the_names_written():
+    """Shards are model-<tag>-0000i-of-0000n.safetensors: what the docs and --help show has the tag too (only the
+    sentence on handoffs written before tags names the old form)."""
+    import contextlib
+    import io
+
+    from stagesafe.cli import main
+
+    texts = {os.path.relpath(p, ROOT): open(p, encoding="utf-8").read()
+             for p in [os.path.join(ROOT, "README.md"), *(os.path.join(DOCS, f) for f in os.listdir(DOCS) if f.endswith(".md"))]}
+    help_text = io.StringIO()
+    with contextlib.redirect_stdout(help_text):
+        main(["consolidate", "--help"])
+    texts["stagesafe consolidate --help"] = help_text.getvalue()
+    wrong = []
+    for where, text in texts.items():
+        for line in text.splitlines():
+            for name in _SHARD_NAME.findall(line):
+                if not _TAGGED.fullmatch(name) and "still read" not in line and name != "model-...safetensors":
+                    wrong.append(f"{where}: {name}")
+    assert not wrong, wrong

@@ -171,6 +171,9 @@ def test_after_fit_only_the_write_is_left_lightnings_thread_check_stops_it_and_i
                        "stagesafe-transfer_0", "stagesafe-transfer_1", "stagesafe-rm_0"} | {
                        f"stagesafe-hash_{i}" for i in range(64)}
     assert _printed(rank0, "HANDOFF") == _printed(rank0, "DIGEST")  # committed, equal to the module bitwise
+    said = rank0.stdout + rank0.stderr  # Lightning's default level shows it, on rank 0 only
+    assert f"stagesafe: handoff committed at {uri} (fit, step 3;" in said
+    assert "handoff committed" not in rank1.stdout + rank1.stderr
     for result in (rank0, rank1):
         assert "EngineReleasedError: the DeepSpeed engine was destroyed when the last Trainer call returned" in (
             result.stdout
@@ -189,3 +192,14 @@ def test_deepspeed_saving_into_a_weights_only_checkpoint_folder_removes_its_mark
     assert _printed(rank0, "MARKER") == "False"
     warned = [line for line in rank0.stdout.splitlines() if line.startswith("WARNING ")]
     assert not any("optimizer starts afresh" in w or "no optimizer state" in w for w in warned), warned
+
+
+def test_a_remote_resume_from_with_nothing_there_fails_on_every_rank_before_deepspeed_starts(s3, tmp_path):
+    missing = s3.new_url("never-written")
+    with pytest.raises(LaunchError) as failed:
+        _job({"mode": "resume", "root": str(tmp_path), "handoff_uri": str(tmp_path / "h"), "resume_from": missing,
+              "storage_options": s3.storage_options()})
+    for result in failed.value.results:
+        assert result.returncode != 0
+        assert "HandoffNotFoundError" in result.stderr and "never-written" in result.stderr, result.stderr[-2000:]
+        assert "initializing deepspeed distributed" not in result.stderr  # before any process group

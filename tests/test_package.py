@@ -52,3 +52,10 @@ def test_public_functions_stay_functions_after_their_modules_load():
 def test_every_public_name_resolves():
     out = _python("import stagesafe\nprint(all(getattr(stagesafe, n) is not None for n in stagesafe.__all__), 'consolidate' in dir(stagesafe))")
     assert out == "True True"
+
+
+def test_dir_lists_the_public_names_and_no_helper_the_package_imports():
+    out = _python("import stagesafe\nprint(' '.join(dir(stagesafe)))").split()
+    assert {"StageSafeDeepSpeedStrategy", "load_state_dict", "EngineReleasedError", "__version__"} <= set(out)
+    assert not {"Any", "annotations", "importlib", "sys", "types"} & set(out)
+    assert all(name in __import__("stagesafe").__all__ or name == "errors" for name in out)

@@ -956,3 +956,14 @@ def test_a_fifo_in_a_handoff_is_refused_by_every_reader_without_blocking(tmp_pat
 def nn_linear_state() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {"weight": torch.randn(2, 3, generator=g), "bias": torch.randn(2, generator=g)}
+
+
+def test_a_load_shows_a_bar_on_a_terminal_when_asked_and_stays_quiet_otherwise(tmp_path, capsys):
+    uri = str(tmp_path / "h")
+    save_state_dict({"a": torch.zeros(1000), "b": torch.ones(1000)}, uri, max_shard_size=5000)
+    load_state_dict(uri)  # a non-interactive run (pytest's stderr) and a small handoff: nothing
+    assert capsys.readouterr().err == ""
+    load_state_dict(uri, progress=True)
+    err = capsys.readouterr().err
+    size = sum(r["size"] for r in read_manifest(uri)["shards"].values())
+    assert f"loading {uri}" in err and f"{size / 1000:.2f}k" in err  # the handoff's bytes, in decimal units

@@ -24,7 +24,7 @@ import contextlib
 import hashlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any, Protocol
 
 from stagesafe.errors import InvalidArgumentError
@@ -163,10 +163,18 @@ def read_hashed(f: IO[bytes], buffer: Any, name: str, *, chunk: int = CHUNK) -> 
         return done, hashing.hexdigest()
 
 
-def hash_file(f: IO[bytes], limit: int, name: str, *, head: bytes = b"", chunk: int = CHUNK) -> tuple[int, str]:
+def hash_file(
+    f: IO[bytes],
+    limit: int,
+    name: str,
+    *,
+    head: bytes = b"",
+    chunk: int = CHUNK,
+    on_read: Callable[[int], None] | None = None,
+) -> tuple[int, str]:
     """The ``name`` digest of ``head`` (bytes already read from ``f``) followed by at most ``limit`` more bytes of
     the file object ``f``, and how many more there were. Memory stays at two chunks whatever the size: one is
-    read while the other is hashed."""
+    read while the other is hashed. ``on_read(n)``: called as each chunk is read (progress)."""
     buffers = (bytearray(min(chunk, limit)), bytearray(min(chunk, limit)))
     done = 0
     with Pipeline(name) as hashing:
@@ -181,6 +189,8 @@ def hash_file(f: IO[bytes], limit: int, name: str, *, head: bytes = b"", chunk: 
                 break
             hashing.add(view[:n])
             done += n
+            if on_read is not None:
+                on_read(n)
         return done, hashing.hexdigest()
 
 

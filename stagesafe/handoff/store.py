@@ -63,6 +63,7 @@ from stagesafe.handoff.plan import (
 from stagesafe.handoff.retry import RetryPolicy, TransferAbandoned, call_with_retries
 from stagesafe.handoff.safe_files import open_in, read_in, size_of
 from stagesafe.handoff.workers import Workers
+from stagesafe.progress import bytes_bar
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,
@@ -110,6 +111,7 @@ _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
 _REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
 _REMOVERS = 8  # stale files deleted at once
 _UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"
+_PROGRESS_FROM = 1_000_000_000  # bytes from which a load shows a bar on a terminal unless told
 _READ_ROUNDS = 3  # reads started over because a writer replaced the handoff meanwhile
 _INDEX_ROUNDS = 5  # looks at the index after a commit; each more is needed only while other writers commit
 ORPHAN_AGE = 6 * 3600.0  # seconds: uncommitted shards and temporary files older than this are leftovers
@@ -582,6 +584,7 @@ def load_state_dict(
     workers: int | None = None,
     retry: RetryPolicy | None = None,
     verify: bool = True,
+    progress: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Load the committed handoff at ``uri``, every shard checked against the manifest before it is parsed.
 
@@ -591,6 +594,7 @@ def load_state_dict(
     is mapped without hashing it again. A remote shard is hashed chunk by chunk while the next chunk arrives.
     ``verify=False`` skips the digest of every shard (sizes and headers are still checked). Tensors are views
     of their shard's buffer; tied names come back as the same tensor object, in the order they were saved.
+    ``progress``: a bar on stderr, shard by shard (default: on a terminal, for a handoff of a gigabyte or more).
     """
     fs, root = resolve(uri, storage_options)
     workers = _check_workers(workers, fs)
@@ -601,9 +605,19 @@ def load_state_dict(
     if not isinstance(verify, bool):
         raise InvalidArgumentError(f"verify={verify!r} must be True or False")
     manifest = _fetch_manifest(fs, root, retry)
-    return _while_unchanged(
-        fs, root, manifest, retry, lambda m: _load(fs, root, m, device, workers=workers, retry=retry, verify=verify)
-    )
+    total = sum(record["size"] for record in manifest["shards"].values())
+    if progress is None and total < _PROGRESS_FROM:
+        progress = False  # a small handoff loads faster than a bar could say anything
+    bar = bytes_bar(progress, total, f"loading {uri}")
+    try:
+        return _while_unchanged(
+            fs, root, manifest, retry,
+            lambda m: _load(fs, root, m, device, workers=workers, retry=retry, verify=verify,
+                            on_shard=bar.update if bar is not None else None),
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def _while_unchanged(
@@ -637,13 +651,15 @@ def verify(
     workers: int | None = None,
     retry: RetryPolicy | None = None,
     fix_index: bool = False,
+    on_read: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Re-hash every shard of the handoff at ``uri`` against its manifest, check their contents and the index.
 
     Streams each shard, ``workers`` at a time (default: 4 on a remote filesystem, 1 on a local disk), so memory
     stays bounded. Raises ``HandoffCorruptError`` naming the shard and what differs; returns the manifest.
     ``fix_index``: an index that differs from the manifest is rewritten from it (once the shards verified)
-    instead of being an error.
+    instead of being an error. ``on_read(n)``: called with each chunk's bytes as shards are read (progress; it
+    may be called from several threads).
     """
     fs, root = resolve(uri, storage_options)
     workers = _check_workers(workers, fs)
@@ -653,7 +669,8 @@ def verify(
     fs.invalidate_cache(root)  # sizes must come from the store, not from a listing cached before a write
     manifest = _fetch_manifest(fs, root, retry)
     return _while_unchanged(
-        fs, root, manifest, retry, lambda m: _verify(fs, root, m, workers=workers, retry=retry, fix_index=fix_index)
+        fs, root, manifest, retry,
+        lambda m: _verify(fs, root, m, workers=workers, retry=retry, fix_index=fix_index, on_read=on_read),
     )
 
 
@@ -665,9 +682,10 @@ def _verify(
     workers: int,
     retry: RetryPolicy,
     fix_index: bool,
+    on_read: Callable[[int], None] | None,
 ) -> dict[str, Any]:
     def check(file_name: str, stop: threading.Event) -> None:
-        _verify_shard(fs, root, manifest, file_name, retry=retry, stop=stop)
+        _verify_shard(fs, root, manifest, file_name, retry=retry, stop=stop, on_read=on_read)
 
     # The index first, right after the manifest: a writer replacing the handoff while the shards are hashed
     # rewrites the index too, and only one read just after the manifest's can be expected to match it.
@@ -1145,7 +1163,7 @@ def _read_header(f: IO[bytes], size: int, *, source: str) -> codec.Header:
 
 
 def _hash_file(
-    f: IO[bytes], size: int, source: str, digest: str
+    f: IO[bytes], size: int, source: str, digest: str, *, on_read: Callable[[int], None] | None = None
 ) -> tuple[str, int, codec.Header | HandoffCorruptError]:
     """The ``digest`` of the file open as ``f``, read in chunks up to one byte past ``size`` (so a file that grew
     shows), each hashed while the next is read; the number of bytes read; and its safetensors header: checked,
@@ -1156,7 +1174,7 @@ def _hash_file(
         header: codec.Header | HandoffCorruptError = codec.parse_header(head, size, source=source)
     except HandoffCorruptError as exc:
         header = exc
-    rest, hexdigest = _digest.hash_file(f, max(size + 1 - len(head), 0), digest, head=head)
+    rest, hexdigest = _digest.hash_file(f, max(size + 1 - len(head), 0), digest, head=head, on_read=on_read)
     return hexdigest, len(head) + rest, header
 
 
@@ -1168,6 +1186,7 @@ def _verify_shard(
     *,
     retry: RetryPolicy,
     stop: threading.Event | None,
+    on_read: Callable[[int], None] | None = None,
 ) -> None:
     """Check one shard as a load would, streaming it: a regular file of the folder, of the manifest's size,
     digest, header and tensors; memory stays bounded whatever its size."""
@@ -1178,7 +1197,7 @@ def _verify_shard(
         with open_in(fs, root, file_name, error=HandoffCorruptError, what=source) as f:
             size = size_of(f)
             _check_bytes(url, manifest, file_name, size, None)  # before reading a byte of it
-            return _hash_file(f, size, source, digest_of(manifest))
+            return _hash_file(f, size, source, digest_of(manifest), on_read=on_read)
 
     try:
         digest, done, header = _transfer(
@@ -1203,9 +1222,13 @@ def _load(
     workers: int,
     retry: RetryPolicy,
     verify: bool,
+    on_shard: Callable[[int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     def one(file_name: str, stop: threading.Event) -> dict[str, torch.Tensor]:
-        return _read_shard(fs, root, manifest, file_name, device, retry=retry, stop=stop, verify=verify)
+        tensors = _read_shard(fs, root, manifest, file_name, device, retry=retry, stop=stop, verify=verify)
+        if on_shard is not None:
+            on_shard(manifest["shards"][file_name]["size"])
+        return tensors
 
     stored: dict[str, torch.Tensor] = {}
     for tensors in _each(list(manifest["shards"]), one, workers).values():

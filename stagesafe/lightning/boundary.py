@@ -207,7 +207,8 @@ class StageBoundary:
     def _resume(self, source: HandoffTarget) -> dict[str, torch.Tensor]:
         """Every rank loads and checks the handoff; none changes its module unless all can."""
         placed = dist.all_ranks(
-            lambda: load_for(self.module, source.uri, storage_options=source.storage_options),
+            lambda: load_for(self.module, source.uri, storage_options=source.storage_options,
+                             progress=None if dist.rank() == 0 else False),  # one bar, on rank 0's terminal
             f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
             "not visible from other nodes; use shared storage or an object store)",
         )

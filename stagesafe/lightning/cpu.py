@@ -15,6 +15,7 @@ import contextlib
 import io
 import logging
 import os
+import sys
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
@@ -23,8 +24,9 @@ from typing_extensions import override
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_requested"]
+__all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_requested", "comm_op_folder"]
 
+_COMM_OP = "deepspeed_shm_comm"  # the name DeepSpeed's ShareMemCommBuilder builds under
 _HINT = (
     "; to run DeepSpeed on CPU processes (gloo), as stagesafe's strategy can, set DS_ACCELERATOR=cpu in the "
     "environment before starting the script"
@@ -44,6 +46,32 @@ def use_deepspeed_cpu_accelerator() -> None:
         from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
         set_accelerator(CPU_Accelerator())
+
+
+def comm_op_folder() -> str:
+    """Where torch builds (and finds) DeepSpeed's CPU comm op: torch's rule for JIT extensions."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        from torch.utils.cpp_extension import get_default_build_root
+
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
+    return os.path.join(root, _COMM_OP)
+
+
+def announce_comm_op_build() -> None:
+    """DeepSpeed JIT-builds its CPU comm op the first time its comm backend starts in an environment: 30 s to a
+    few minutes with nothing printed. Say so, on rank 0, when it is not built yet."""
+    folder = comm_op_folder()
+    if os.path.isfile(os.path.join(folder, f"{_COMM_OP}.so")):
+        return
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+    rank_zero_info(
+        f"stagesafe: DeepSpeed is building its CPU comm op in {folder} (once per environment: 30 s to a few "
+        "minutes, with g++ and ninja; set TORCH_EXTENSIONS_DIR to keep one folder per environment)"
+    )
 
 
 class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
@@ -72,6 +100,7 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
         if not isinstance(self.accelerator, CPUAccelerator):
             super()._init_deepspeed_distributed()
             return
+        announce_comm_op_build()
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed):

@@ -93,11 +93,20 @@ class HandoffWriter:
     """Writes a strategy's handoffs in the background, one at a time, and joins them on every rank.
 
     ``writers``: how many ranks write shares (every rank when all see the handoff folder, else only rank 0).
-    ``timeout``: seconds any wait for another rank, or for this rank's own threads, may last.
+    ``timeout``: seconds any wait for another rank, or for this rank's own threads, may last. ``on_commit``:
+    told on rank 0 when a background write has committed (its thread; it must not raise or block).
     """
 
-    def __init__(self, channel: JobChannel, *, writers: int, timeout: float) -> None:
+    def __init__(
+        self,
+        channel: JobChannel,
+        *,
+        writers: int,
+        timeout: float,
+        on_commit: Callable[[str, Commit, float], None] | None = None,
+    ) -> None:
         self._channel = channel
+        self._on_commit = on_commit  # rank 0, in the writer's thread: (uri, commit, seconds) once committed
         self.writers = writers
         self.timeout = timeout
         self._count = 0
@@ -190,6 +199,11 @@ class HandoffWriter:
             request.phases["handoff_write"] = time.perf_counter() - start
         if self.rank == 0:  # the commit's outcome, for every rank
             write.channel.post("outcome", "ok" if write.error is None else f"failed: {describe(write.error)}")
+        if write.commit is not None and self._on_commit is not None:
+            try:
+                self._on_commit(request.uri, write.commit, time.perf_counter() - start)
+            except Exception as exc:  # noqa: BLE001 - only a message is at stake
+                log.warning("stagesafe: could not report the commit of %s (%s)", request.uri, exc)
         if write.commit is not None:  # committed: now the replaced handoff's files may go
             removing = time.perf_counter()
             try:

@@ -352,7 +352,7 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
             named = read_in(fs, root, "latest", limit=_MAX_LATEST, error=CheckpointFormatError, what=what)
             chosen = named.decode("utf-8", "replace").strip()
         if chosen not in dirs:
-            where = "--tag (tag=)" if tag is not None else "its 'latest' file"
+            where = "the tag asked for (--tag, tag=)" if tag is not None else "its 'latest' file"
             tags = [d for d in dirs if _has_rank_files(fs, join(root, d))]
             hint = f"tags present: {shown(tags[:20], 400)}" if tags else "it holds no tag folder with rank files"
             raise CheckpointFormatError(f"{url!r} has no tag folder {shown(chosen)} (named by {where}); {hint}")
@@ -360,7 +360,7 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
     if has_rank_files:
         if tag is not None:
             raise CheckpointFormatError(
-                f"{url!r} is itself a tag folder (it holds the rank files); drop --tag (tag=), or pass its parent "
+                f"{url!r} is itself a tag folder (it holds the rank files); drop the tag (--tag, tag=), or pass its parent "
                 f"{url_of(fs, parent)!r} with --tag"
             )
         return basename(root), root, "tag-folder"
@@ -370,10 +370,10 @@ def _locate(fs: Any, root: str, tag: str | None) -> tuple[str, str, str]:
             return tag, join(root, tag), "deepspeed"
         present = f"tags present: {shown(tags[:20], 400)}"
         hint = present if tags else f"it holds no tag folder with rank files; {_EXPECTED}"
-        raise CheckpointFormatError(f"{url!r} has no tag folder {tag!r} (named by --tag (tag=)); {hint}")
+        raise CheckpointFormatError(f"{url!r} has no tag folder {tag!r} (the tag asked for: --tag, tag=); {hint}")
     if tags:
         raise CheckpointFormatError(
-            f"{url!r} has no 'latest' file to say which tag to read; pass --tag (tag=) with one of "
+            f"{url!r} has no 'latest' file to say which tag to read; pass a tag (--tag, tag=) with one of "
             f"{shown(tags[:20], 400)}"
         )
     inner = [d for d in dirs[:200] if fs.isfile(join(join(root, d), "latest"))]
