@@ -133,6 +133,10 @@ def test_a_writer_killed_mid_save_leaves_the_previous_handoff_intact_and_the_nex
     # Readers see the previous handoff, whole.
     assert read_manifest(url, storage_options=options) == old
     assert_bitwise_equal(load_state_dict(url, storage_options=options), old_sd)
+    if point == "index_written":  # the index is the killed save's: loaders following it would read its shards
+        with pytest.raises(HandoffCorruptError, match="interrupted before its manifest.*--fix-index"):
+            verify(url, storage_options=options)
+        assert verify(url, storage_options=options, fix_index=True) == old
     assert verify(url, storage_options=options) == old
     # A later save removes what the killed writer left, once it is old.
     age_leftovers(url, keep={*old["shards"], INDEX, MANIFEST})
