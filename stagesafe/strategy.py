@@ -200,7 +200,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(_StageReturned())
         super().setup(trainer)
-        boundary.engine_built(training=trainer.state.fn == TrainerFn.FITTING)
+        boundary.engine_built(self.model, training=trainer.state.fn == TrainerFn.FITTING)
 
     def _writer_for(self, target: HandoffTarget) -> HandoffWriter:
         """This strategy's writer, made at its first stage once the ranks agree on the handoff folder."""

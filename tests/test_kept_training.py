@@ -97,3 +97,13 @@ def test_host_pool_hands_out_its_tensors_by_shape_and_dtype_once_each():
     owner = _kept({}, {})
     pool.close(owner)
     assert pool.take(torch.Size([3]), torch.bfloat16) is None  # a closed pool hands out nothing
+
+
+def test_a_host_pool_adds_only_what_it_does_not_hold_yet():
+    a, b = (torch.Size([4]), torch.float32), (torch.Size([2, 2]), torch.bfloat16)
+    pool = HostPool([a, a], lock_on=None)
+    pool.add([a, a, b])  # foreseen at the engine's start, then sized after the first step: only b is new
+    taken = [pool.take(*a), pool.take(*a), pool.take(*b)]
+    assert all(t is not None for t in taken) and len({t.data_ptr() for t in taken}) == 3
+    assert pool.take(*a) is None and pool.take(*b) is None  # no duplicate was made
+    pool.close(None)

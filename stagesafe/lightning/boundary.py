@@ -115,7 +115,7 @@ class StageBoundary:
         self._materialize = materialize
         self._host: HostBuffers | None = None
         self._kept_host: HostPool | None = None  # where the end copies the engine's optimizer state
-        self._sized = False  # the optimizer state's host memory was asked for
+        self._stepped = False  # the optimizer state was sized after the first step
         self._written_here: set[str] | None = None
         self._meta_values: dict[str, torch.Tensor] | None = None
         self._footprint: zero.ModuleFootprint | None = None
@@ -216,27 +216,41 @@ class StageBoundary:
         assign_values(self.module, placed)
         return state_tensors(self.module)
 
-    def engine_built(self, *, training: bool) -> None:
-        """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights."""
+    def engine_built(self, engine: Any, *, training: bool) -> None:
+        """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights;
+        start making host memory ready for the optimizer state the stage's end keeps, as far as it is known."""
         if training and self._entry is not None:
             entry = {**self._entry, **self._masters} if self._masters else self._entry  # a handoff reader stays lazy
             dist.all_ranks(lambda: zero.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
+        if self._sizes_kept_state():
+            def specs() -> list[tuple[torch.Size, torch.dtype]]:
+                now = zero.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or []
+                return [*now, *zero.foreseen_state_specs(engine)]
+
+            self._size_kept_state(specs)
 
     def optimizer_stepped(self, engine: Any) -> None:
-        """After an optimizer step of a training stage on a GPU (local, cheap once done): the first time the
-        engine has stepped, start making host memory ready for the optimizer state the stage's end keeps."""
-        if self._kept_host is not None or self._sized or not self.training or not self._keep_optimizer_state:
+        """After an optimizer step (local, cheap once done): the first time the engine has stepped, the state
+        the optimizer made is sized, and host memory for what was not foreseen is made ready too."""
+        if self._stepped or not self._sizes_kept_state() or getattr(engine, "global_steps", 0) < 1:
             return
-        if self.device is None or self.device.type != "cuda" or getattr(engine, "global_steps", 0) < 1:
-            return
-        self._sized = True
+        self._stepped = True
+        self._size_kept_state(lambda: zero.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or [])
+
+    def _sizes_kept_state(self) -> bool:
+        return (self.training and self._keep_optimizer_state and self.device is not None
+                and self.device.type == "cuda")
+
+    def _size_kept_state(self, specs_now: Callable[[], list[tuple[torch.Size, torch.dtype]]]) -> None:
         try:
-            specs = zero.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen)
+            specs = specs_now()
         except Exception as exc:  # noqa: BLE001 - only the end's speed is at stake: it allocates then
             log.warning("stagesafe: could not size the optimizer state kept at the end of %s: %s", self.stage, exc)
-            specs = None
-        if specs:
+            return
+        if self._kept_host is None and specs:
             self._kept_host = HostPool(specs, lock_on=self.device)
+        elif self._kept_host is not None:
+            self._kept_host.add(specs)
 
     def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
         """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""

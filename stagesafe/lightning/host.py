@@ -9,6 +9,7 @@ handoff writer once the Trainer call has returned: the end of a stage then pays 
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import weakref
@@ -103,33 +104,48 @@ class HostBuffers:
 class HostPool:
     """Host tensors of given shapes and dtypes, made ready (allocated, touched, page-locked) in the background
     while a stage runs, then taken one by one by shape and dtype: where a training stage's end copies the
-    engine's optimizer state, which outlives the engine in host memory.
+    engine's optimizer state, which outlives the engine in host memory. More can be asked for later
+    (:meth:`add`), e.g. once the optimizer has made state that could not be foreseen.
 
     Tensors still in the pool at :meth:`close` are unlocked and dropped; the taken ones stay locked until
     their owner (given to :meth:`close`) is garbage: memory is unlocked before it is freed.
     """
 
     def __init__(self, specs: Iterable[tuple[torch.Size, torch.dtype]], *, lock_on: torch.device | None) -> None:
-        fresh = {str(i): (torch.Size(shape), dtype) for i, (shape, dtype) in enumerate(specs)}
-        self._buffers: HostBuffers | None = HostBuffers({}, fresh, lock_on=lock_on)
+        self._lock_on = lock_on
+        self._batches: list[HostBuffers] = []
+        self._asked: collections.Counter[tuple[tuple[int, ...], torch.dtype]] = collections.Counter()
         self._free: dict[tuple[tuple[int, ...], torch.dtype], list[torch.Tensor]] | None = None
         self._taken: list[torch.Tensor] = []
+        self._closed = False
+        self.add(specs)
+
+    def add(self, specs: Iterable[tuple[torch.Size, torch.dtype]]) -> None:
+        """Start making ready those of ``specs`` the pool does not hold yet (counting repeats)."""
+        wanted = collections.Counter((tuple(shape), dtype) for shape, dtype in specs)
+        missing = list((wanted - self._asked).elements())
+        if self._closed or self._free is not None or not missing:
+            return
+        self._asked.update(missing)
+        fresh = {str(i): (torch.Size(shape), dtype) for i, (shape, dtype) in enumerate(missing)}
+        self._batches.append(HostBuffers({}, fresh, lock_on=self._lock_on))
 
     def ready(self) -> "HostPool":
         """Wait until the tensors are made ready (or making them failed: then the copies allocate their own)."""
-        if self._buffers is not None:
-            self._buffers.ready()
+        for batch in self._batches:
+            batch.ready()
         return self
 
     def take(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor | None:
         """A ready tensor of this shape and dtype, or None when the pool has none left."""
-        if self._buffers is None:
+        if self._closed:
             return None
         if self._free is None:
             self._free = {}
-            for tensor in self._buffers.ready().fresh.values():
-                self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
-            self._buffers.fresh = {}
+            for batch in self.ready()._batches:
+                for tensor in batch.fresh.values():
+                    self._free.setdefault((tuple(tensor.shape), tensor.dtype), []).append(tensor)
+                batch.fresh = {}
         free = self._free.get((tuple(shape), dtype))
         if not free:
             return None
@@ -139,18 +155,26 @@ class HostPool:
 
     def close(self, owner: Any | None) -> None:
         """Unlock what was not taken; the taken tensors stay locked while ``owner`` lives (None: unlock all)."""
-        buffers, self._buffers = self._buffers, None
-        if buffers is None:
+        if self._closed:
             return
-        buffers.ready()
-        untaken = [t for free in (self._free or {}).values() for t in free] + list(buffers.fresh.values())
-        buffers.fresh, self._free = {}, None
+        self._closed = True
+        self.ready()
+        untaken = [t for free in (self._free or {}).values() for t in free]
+        untaken += [t for batch in self._batches for t in batch.fresh.values()]
+        for batch in self._batches:
+            batch.fresh = {}
+        self._free = None
         taken, self._taken = self._taken, []
-        buffers.unlock(untaken)
+        _unlock(self._batches, untaken)
         if owner is None:
-            buffers.unlock(taken)
+            _unlock(self._batches, taken)
         elif taken:
-            weakref.finalize(owner, buffers.unlock, taken).atexit = False  # the process's end frees it all
+            weakref.finalize(owner, _unlock, list(self._batches), taken).atexit = False  # the process's end frees all
+
+
+def _unlock(batches: list[HostBuffers], tensors: list[torch.Tensor]) -> None:
+    for batch in batches:  # each unlocks those it locked
+        batch.unlock(tensors)
 
 
 def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

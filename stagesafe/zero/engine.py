@@ -31,6 +31,7 @@ __all__ = [
     "strip_deepspeed_state",
     "checkpoint_files",
     "checkpoint_device_specs",
+    "foreseen_state_specs",
 ]
 
 # Page-locked host memory made ready for a device tensor's copy (shape, dtype), or None where there is none.
@@ -549,6 +550,22 @@ def checkpoint_device_specs(engine: Any, *, exclude_frozen: bool) -> list[tuple[
                 specs.append((tensor.shape, tensor.dtype))
 
     return specs if _checkpoint_states(engine, exclude_frozen, note, settle=False) is not None else None
+
+
+# Optimizers whose state per parameter is known before their first step: tensors of the parameter's shape and dtype.
+_STATE_LIKE_PARAMETER = {"Adam": 2, "AdamW": 2, "FusedAdam": 2, "SGD": 0}
+
+
+def foreseen_state_specs(engine: Any) -> list[tuple[torch.Size, torch.dtype]]:
+    """The device tensors the optimizer will make at its first step, for optimizers that say so by their kind
+    (Adam's two moments, each shaped as its fp32 master): host memory for them can be made ready from the
+    engine's start. Empty when the state exists already or the optimizer is another kind."""
+    base = getattr(engine.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
+    per_parameter = _STATE_LIKE_PARAMETER.get(type(base).__name__) if base is not None else None
+    if not per_parameter or any(base.state.values()):
+        return []
+    return [(p.shape, p.dtype) for group in base.param_groups for p in group["params"]
+            if p.device.type == "cuda" for _ in range(per_parameter)]
 
 
 def _checkpoint_states(
