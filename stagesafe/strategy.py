@@ -26,7 +26,7 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.errors import DistributedStageError, EngineReleasedError, InvalidArgumentError
+from stagesafe.errors import DistributedStageError, EngineReleasedError, HandoffNotReadyError, InvalidArgumentError
 from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.lightning.agree import Ending, JobChannel, agree_on_ending
@@ -436,7 +436,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             raise ValueError("the module holds meta tensors and no handoff holds its weights: nothing to save")
         for writer in self._writers():
             if writer.pending_uri == history.target.uri:
-                raise RuntimeError("call strategy.wait_for_handoff() on every rank before saving a checkpoint")
+                raise HandoffNotReadyError(
+                    f"the handoff {history.target.uri!r} that holds the module's weights is still being written: call "
+                    "strategy.wait_for_handoff() on every rank before trainer.save_checkpoint(...)"
+                )
         from stagesafe.handoff.store import load_state_dict
 
         return load_state_dict(history.target.uri, storage_options=history.target.storage_options)

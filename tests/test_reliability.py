@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _tensors import assert_bitwise_equal, bits
 from _launch import run_ranks, run_script, sanitized_env
 from torch import nn
 
@@ -52,16 +53,8 @@ pytestmark = pytest.mark.timeout(180)
 # -- helpers ------------------------------------------------------------------------------------------------------
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
-def assert_bitwise_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
-    assert list(actual) == list(expected)
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(bits(got), bits(want)), name
 
 
 def files(url: str, options: dict | None = None) -> set[str]:

@@ -16,6 +16,7 @@ import fsspec
 import pytest
 import safetensors.torch
 import torch
+from _tensors import assert_bitwise_equal, bits
 from _hostile import forge_manifest, opened_files, outside, replace_shard, run_python, safetensors_bytes
 
 from stagesafe.handoff.digest import CHUNK, DEFAULT, LEAF, NAMES, hash_buffer
@@ -88,17 +89,8 @@ def write(url: str, name: str, data: bytes) -> None:
     fs.pipe_file(f"{root}/{name}", data)
 
 
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor, so NaN payloads and -0.0 compare exactly."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def assert_bitwise_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
-    assert list(actual) == list(expected)
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(bits(got), bits(want)), name
 
 
 def model_dict(seed: int, n: int = 6, numel: int = 100) -> dict[str, torch.Tensor]:

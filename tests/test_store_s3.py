@@ -14,6 +14,7 @@ from collections.abc import Mapping
 import pytest
 import safetensors.torch
 import torch
+from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import (
     HandoffCorruptError,
@@ -36,12 +37,6 @@ def model_dict(seed: int, n: int = 6, numel: int = 100) -> dict[str, torch.Tenso
     return {f"layer{i}.weight": torch.randn(numel, generator=g) for i in range(n)}
 
 
-def assert_bitwise_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> None:
-    assert list(actual) == list(expected)
-    for name, want in expected.items():
-        got = actual[name]
-        assert got.dtype == want.dtype and got.shape == want.shape, name
-        assert torch.equal(got.reshape(-1).view(torch.uint8), want.contiguous().reshape(-1).view(torch.uint8)), name
 
 
 def test_round_trip_on_s3_is_bitwise_and_the_objects_are_a_hugging_face_folder(s3):
