@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import signal
 import os
 import shutil
 import uuid
@@ -959,3 +960,36 @@ def test_a_load_shows_a_bar_on_a_terminal_when_asked_and_stays_quiet_otherwise(t
     err = capsys.readouterr().err
     size = sum(r["size"] for r in read_manifest(uri)["shards"].values())
     assert f"loading {uri}" in err and f"{size / 1000:.2f}k" in err  # the handoff's bytes, in decimal units
+
+
+_TRUNCATE_UNDER = """
+import os, sys, torch, glob
+from safetensors.torch import load_file
+import stagesafe
+uri, who, when = sys.argv[1], sys.argv[2], sys.argv[3]
+shard = sorted(glob.glob(os.path.join(uri, "*.safetensors")))[0]
+if when == "before":
+    os.truncate(shard, os.path.getsize(shard) // 2)
+loaded = load_file(shard) if who == "load_file" else stagesafe.load_state_dict(uri)
+if when == "after":  # a tool truncates the file in place while the tensors are in use
+    os.truncate(shard, 4096)
+print("SUM", float(sum(t.float().sum() for t in loaded.values())), flush=True)
+"""
+
+
+@pytest.mark.parametrize("who", ["stagesafe", "load_file"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_shard_truncated_under_the_mapping_is_refused_before_and_fails_as_load_file_after(tmp_path, who, when):
+    """The fast path maps local shards, as load_file does. Sizes are checked before a byte is read, so a file cut
+    before the load is refused; one cut in place while its tensors are in use faults on the missing pages
+    (SIGBUS), as with load_file: stagesafe's own writers never truncate in place (docs/reliability.md, Limits)."""
+    uri = str(tmp_path / "h")
+    save_state_dict({"w": torch.ones(1 << 20)}, uri)  # 4 MB, one shard
+    result = run_python(_TRUNCATE_UNDER, uri, who, when)
+    if when == "after":
+        assert result.returncode == -signal.SIGBUS, (result.returncode, result.stderr[-500:])
+    elif who == "stagesafe":
+        assert result.returncode == 1 and "HandoffCorruptError" in result.stderr, result.stderr[-500:]
+        assert "SUM" not in result.stdout
+    else:
+        assert result.returncode != 0  # load_file refuses a cut file too ("incomplete metadata" or similar)
