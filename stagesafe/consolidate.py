@@ -133,13 +133,20 @@ def load_zero_checkpoint(
     dtype: str | torch.dtype | None = None,
     exclude_frozen: bool = False,
     storage_options: dict[str, Any] | None = None,
+    trust_pickles: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """The fp32 state dict of the DeepSpeed checkpoint ``src``, in memory (tied names share one tensor).
 
-    The same values as :func:`consolidate` writes; use this for models that fit in memory.
+    The same values as :func:`consolidate` writes; use this for models that fit in memory. ``trust_pickles``: see
+    :func:`~stagesafe.zero.checkpoint.open_zero_checkpoint`.
     """
     return load_zero_checkpoint_with_client_state(
-        src, tag=tag, dtype=dtype, exclude_frozen=exclude_frozen, storage_options=storage_options
+        src,
+        tag=tag,
+        dtype=dtype,
+        exclude_frozen=exclude_frozen,
+        storage_options=storage_options,
+        trust_pickles=trust_pickles,
     )[0]
 
 
@@ -150,11 +157,17 @@ def load_zero_checkpoint_with_client_state(
     dtype: str | torch.dtype | None = None,
     exclude_frozen: bool = False,
     storage_options: dict[str, Any] | None = None,
+    trust_pickles: bool | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``(state_dict, client_state)``: :func:`load_zero_checkpoint` plus the entries of rank 0's model states
-    that are not DeepSpeed's own (for a Lightning checkpoint: epoch, global_step, loops, callbacks, ...)."""
+    that are not DeepSpeed's own (for a Lightning checkpoint: epoch, global_step, loops, callbacks, ...). Objects
+    of classes stagesafe does not import are inert stand-ins, unless ``trust_pickles`` (or
+    ``STAGESAFE_TRUST_PICKLES=1``) loads them with ``torch.load(weights_only=False)``, which runs code in the file:
+    see :func:`~stagesafe.zero.checkpoint.open_zero_checkpoint`."""
     out_dtype = _parse_dtype(dtype)
-    with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
+    with open_zero_checkpoint(
+        src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options, trust_pickles=trust_pickles
+    ) as ckpt:
         values = {name: _cast(tensor, out_dtype) for name, tensor in ckpt.iter_tensors()}
         for alias, canonical in ckpt.aliases.items():
             values[alias] = values[canonical]

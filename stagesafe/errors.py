@@ -6,8 +6,7 @@ Every error derives from :class:`StageSafeError`, and also from the builtin a ca
 
 from __future__ import annotations
 
-import reprlib
-from typing import Any
+from stagesafe._shown import clip, shown
 
 __all__ = [
     "StageSafeError",
@@ -90,33 +89,3 @@ class DistributedStageError(StageSafeError, RuntimeError):
 class EngineReleasedError(StageSafeError, RuntimeError):
     """The DeepSpeed engine was asked for after the Trainer call that built it returned: stagesafe destroys it
     there, and the module, its handoff and ``trainer.save_checkpoint`` hold what it held."""
-
-
-def shown(value: Any, limit: int = 120) -> str:
-    """``repr(value)``, cut to about ``limit`` characters, for an error message: a value read from a file may be
-    megabytes long, and a message is one line. A container is shown a few levels and items deep only: a pickle
-    can nest lists that share their items, whose whole ``repr`` doubles with each level. Never raises: a value
-    too deep or too large to ``repr`` (an integer of millions of digits) is named by its type."""
-    try:
-        text = _BOUNDED.repr(value) if isinstance(value, (list, tuple, dict, set, frozenset)) else repr(value)
-    except Exception:  # noqa: BLE001 - RecursionError, ValueError (int digits), an odd object's own __repr__
-        return f"<a {type(value).__name__} that cannot be shown>"
-    return clip(text, limit)
-
-
-class _BoundedRepr(reprlib.Repr):
-    """``reprlib``'s bounded repr, for ordered dicts too (by default their own unbounded repr)."""
-
-    def repr_OrderedDict(self, value: Any, level: int) -> str:  # noqa: N802 - reprlib dispatches on the type name
-        return self.repr_dict(value, level)
-
-
-_BOUNDED = _BoundedRepr()
-_BOUNDED.maxlevel = 4
-_BOUNDED.maxdict = _BOUNDED.maxlist = _BOUNDED.maxtuple = _BOUNDED.maxset = _BOUNDED.maxfrozenset = 20
-_BOUNDED.maxstring = _BOUNDED.maxlong = _BOUNDED.maxother = 200
-
-
-def clip(text: str, limit: int = 120) -> str:
-    """``text`` cut to about ``limit`` characters, saying how long it was."""
-    return text if len(text) <= limit else f"{text[: max(limit - 16, 8)]}... ({len(text)} chars)"

@@ -13,18 +13,25 @@ readers on it and checks what every reader must keep, whatever the input:
   outside the folder is opened.
 - ``rank_files``: a ZeRO checkpoint in DeepSpeed's layout (stage 2 or 3, 1 to 3 ranks) whose pickled states get
   hostile values (counts, names, shapes, tensors of any dtype, stride and size, structures of the wrong type), or
-  whose files get flipped bytes, truncation, or are replaced by FIFOs and links. Reading and ``consolidate`` raise
-  only ``CheckpointFormatError``/``UnsafeCheckpointError`` (CLI exit 2), leave nothing at the destination when
-  they fail, write a handoff that verifies and loads as the checkpoint reads when they succeed, and open nothing
+  whose files get flipped bytes, truncation, a ``byteorder`` record inflating to 2 GiB, a second ``data.pkl``,
+  or are replaced by FIFOs and links; client state may hold the values users keep in hyperparameters (paths,
+  numpy values, datetimes, Enum members, dataclasses). Reading and ``consolidate`` raise only
+  ``CheckpointFormatError``/``UnsafeCheckpointError`` (CLI exit 2), leave nothing at the destination when they
+  fail, write a handoff that verifies and loads as the checkpoint reads when they succeed, and open nothing
   outside the two folders.
 
 - ``pickles``: the pickle of a rank file alone (``data.pkl``), as an attacker writes it: DeepSpeed's pickles and
   torch.save's with bytes flipped, cut, inserted or deleted and live payloads spliced in (``os.system``,
-  ``builtins.exec``, ``INST``, ``OBJ``, ``EXT1``, allow-listed globals given an attacker's arguments), or opcode
-  streams built from pieces. The reader returns a value or raises ``CheckpointFormatError``/``UnsafeCheckpointError``
-  (one short line naming the file), and raises no audit event while it reads (no import, open, exec, call of
-  ``os.system`` or ``subprocess``): nothing a pickle names runs. Every payload is live: Python's pickle runs it
-  (``tests/test_fuzz.py`` checks that).
+  ``builtins.exec``, ``INST``, ``OBJ``, ``EXT1``, allow-listed globals given an attacker's arguments, classes and
+  functions outside the tables that create files), or opcode streams built from pieces (the values users keep in
+  hyperparameters among them), or the crafted pickles of issue 25 at random sizes (sets by the million, keys of
+  one hash, copies of copies, stand-ins sharing their parts at every level). The reader returns a value or raises
+  ``CheckpointFormatError``/``UnsafeCheckpointError`` (one short line naming the file), and raises no audit event
+  while it reads (no import, open, exec, call of ``os.system`` or ``subprocess``): nothing a pickle names runs.
+  Every payload is live: Python's pickle runs it (``tests/test_fuzz.py`` checks that).
+
+Every case of every target keeps a bound on time (:data:`CASE_SECONDS`) and on memory (:data:`CASE_MEMORY_MB`
+above the process's peak before the first case): a case past either fails as a broken property.
 
 A crash (SIGSEGV, SIGBUS) or a hang cannot be caught in the process: callers run targets in a child process
 with a watchdog (:func:`run` arms ``faulthandler`` per case).
@@ -33,27 +40,41 @@ with a watchdog (:func:`run` arms ``faulthandler`` per case).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
+import enum
 import faulthandler
 import io
 import json
 import math
 import os
+import pathlib
+import re
 import shutil
 import struct
 import tempfile
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+import numpy as np
 from _hostile import (
     INDEX,
     MANIFEST,
     audit_events,
+    byte_copies,
+    byteorder_bomb,
+    colliding_int_keys,
+    duplicate_pickle,
+    empty_sets,
     forge_manifest,
+    loss_scaler_levels,
     opened_files,
     outside,
     safetensors_bytes,
+    set_calls_of_a_big_list,
     write_zero_checkpoint,
 )
 from hypothesis import HealthCheck, Phase, given, settings
@@ -62,6 +83,8 @@ from hypothesis import strategies as st
 __all__ = ["TARGETS", "run"]
 
 CASE_TIMEOUT = 60  # seconds a single case may take before the watchdog calls it a hang and exits
+CASE_SECONDS = {"pickles": 10.0}  # a case that takes longer breaks a property (others: CASE_TIMEOUT)
+CASE_MEMORY_MB = 512  # no case may raise the process's peak RSS this far above its peak before the first
 
 _CODES = {  # safetensors code -> bytes per element; F4/F6 are safetensors' own, which torch lacks
     "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "F16": 2,
@@ -435,8 +458,31 @@ def hostile_tensors(draw) -> torch.Tensor:
     return t
 
 
+class Shade(enum.Enum):
+    """A user's Enum: kept in checkpoints' hyperparameters, read as a stand-in."""
+
+    DARK = "dark"
+
+
+@dataclasses.dataclass
+class Setting:
+    """A user's dataclass: kept in checkpoints' hyperparameters, read as a stand-in."""
+
+    lr: float = 0.1
+    path: pathlib.Path = pathlib.Path("/data")
+
+
+# The values users keep in hyperparameters and callbacks' state.
+USER_VALUES = [
+    pathlib.Path("/runs/a"), pathlib.PureWindowsPath("C:/x"), np.float64(0.5), np.int64(-3), np.arange(6).reshape(2, 3),
+    np.array([1, "a"], dtype=object), np.dtype(">f4"), datetime.date(2026, 1, 1), datetime.timedelta(seconds=5),
+    datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone(datetime.timedelta(hours=1))), Shade.DARK, Setting(),
+    __import__("argparse").Namespace(a=1, b=[pathlib.Path("p")]),
+]  # fmt: skip
+
 HOSTILE_VALUES = st.one_of(
     st.sampled_from([0, 1, -1, 10**12, 2**63, 2**80, True, None, "3", "", 2.5, [], {}, [2, "x"], [-1, -256]]),
+    st.sampled_from(USER_VALUES),
     st.text(max_size=4),
     st.lists(st.integers(-3, 6), max_size=3),
     hostile_tensors(),
@@ -478,7 +524,9 @@ def rank_file_cases(draw) -> dict[str, Any]:
         rename = path == ("param_shapes", 0) and draw(st.booleans())
         value = draw(RANK_NAMES) if rename else draw(HOSTILE_VALUES)
         edits.append((kind, draw(st.integers(0, 2)), path, value, rename))
-    damage = draw(st.sampled_from([None] * 6 + ["flip", "cut", "append", "fifo", "link_outside", "latest"]))
+    damage = draw(
+        st.sampled_from([None] * 6 + ["flip", "cut", "append", "fifo", "link_outside", "latest", "byteorder", "twice"])
+    )
     return {
         "stage": stage,
         "world_size": draw(st.integers(1, 3)),
@@ -562,6 +610,10 @@ def check_rank_files(workdir: str, case: dict[str, Any]) -> str:
     elif damage == "latest":
         with open(os.path.join(src, "latest"), "w") as f:
             f.write("../" * 2000)
+    elif damage == "byteorder":  # a record deflated to 2 MB that inflates to 2 GiB
+        byteorder_bomb(victim)
+    elif damage == "twice":  # a second data.pkl record: torch would read it, stagesafe the first
+        duplicate_pickle(victim, b"\x80\x02}.")
     with opened_files() as opened:
         read = _outcome(lambda: load_zero_checkpoint(src))
         code, err = _cli("consolidate", src, dst, "--max-shard-size", case["shard_size"])
@@ -617,7 +669,22 @@ PAYLOADS: dict[str, Callable[[str], bytes]] = {
     + b"sb" + _text(_touch(m)) + b"b",
     "torch_load_bytes": lambda m: b"ctorch.storage\n_load_from_bytes\n" + _bytes_op(b"\x80\x02" + PAYLOADS["os_system"](m) + b".")
     + b"\x85R",
+    # names outside the tables: a class (a stand-in: nothing runs), a function (refused), a user's class
+    "class_outside": lambda m: b"czipfile\nZipFile\n" + _text(m) + _text("w") + b"\x86R",
+    "function_outside": lambda m: b"cgzip\nopen\n" + _text(m) + _text("w") + b"\x86R",
+    "user_class": lambda m: b"c_fuzz\nWritesWhenBuilt\n" + _text(m) + b"\x85R",
+    "user_class_newobj": lambda m: b"c_fuzz\nWritesWhenBuilt\n" + _text(m) + b"\x85\x81",
 }
+
+
+class WritesWhenBuilt:
+    """A user's class whose constructor creates the file it is given: live under pickle by REDUCE, and by NEWOBJ
+    (its ``__new__``)."""
+
+    def __new__(cls, path: str):
+        with open(path, "w"):
+            pass
+        return super().__new__(cls)
 
 # Pieces of DeepSpeed's pickles, for streams built from pieces: each pushes, pops or builds something.
 _PIECES = [
@@ -634,11 +701,20 @@ _PIECES = [
     b"clightning.fabric.utilities.data\nAttributeDict\n", b"cargparse\nNamespace\n",
     b"(\x8c\x07storagectorch\nFloatStorage\n\x8c\x010\x8c\x03cpuK\x04tQ",  # a storage's persistent id
     b"K\x00K\x04\x85K\x01\x85\x89ccollections\nOrderedDict\n)R\x86",  # offset, size, stride, grad, hooks
+    # the values users keep in hyperparameters, and names outside the tables
+    b"cpathlib\nPosixPath\n", b"cpathlib._local\nPureWindowsPath\n", b"cnumpy\ndtype\n", b"cnumpy\nndarray\n",
+    b"cnumpy._core.multiarray\nscalar\n", b"cnumpy.core.multiarray\n_reconstruct\n", b"cdatetime\ndatetime\n",
+    b"cdatetime\ntimezone\n", b"cdatetime\ntimedelta\n", b"ccopy_reg\n_reconstructor\n", b"c__builtin__\nobject\n",
+    b"cmypkg.config\nConfig\n", b"cmypkg\nhelper\n", _text("f8"), _text("latin1"),
+    b"C\x08\x00\x00\x00\x00\x00\x00\xf8?",  # the bytes of 1.5
+    b"X\x01\x00\x00\x00<", b"K\x03X\x01\x00\x00\x00<NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t",  # a dtype's state
+    b"\x8a\t\xff\xff\xff\xff\xff\xff\xff\x1f\x00", b"\x8a\t\xfe\xff\xff\xff\xff\xff\xff?\x00",  # ints of one hash
 ]
 
 
 def _seed_pickles() -> list[bytes]:
-    """The pickles of a real ZeRO-2 and ZeRO-3 checkpoint's rank files, and of torch.save's other shapes."""
+    """The pickles of a real ZeRO-2 and ZeRO-3 checkpoint's rank files, of torch.save's other shapes, and of the
+    values users keep in hyperparameters."""
     import zipfile
 
     seeds = []
@@ -658,12 +734,11 @@ def _seed_pickles() -> list[bytes]:
         "size": torch.Size([2, 3]), "device": torch.device("cpu"), "dtype": torch.bfloat16, "set": {1, 2},
         "frozen": frozenset({"a"}), "bytes": b"\x00\xff", "array": bytearray(b"ab"), "od": OrderedDict(a=[1, (2, 3)]),
     }  # fmt: skip
-    buffer = io.BytesIO()
-    torch.save(other, buffer)
-    import zipfile
-
-    with zipfile.ZipFile(buffer) as archive:
-        seeds.append(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))
+    for obj in (other, {"hyper_parameters": {f"v{i}": value for i, value in enumerate(USER_VALUES)}}):
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        with zipfile.ZipFile(buffer) as archive:
+            seeds.append(archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl"))))
     return seeds
 
 
@@ -679,17 +754,34 @@ _MUTATION = st.one_of(
 )
 
 
+# The crafted pickles of issue 25, at a scale from 1 to 16: a case takes milliseconds to a tenth of a second.
+BOMBS: dict[str, Callable[[int], bytes]] = {
+    "empty_sets": lambda n: empty_sets(n * 2**16),
+    "colliding_int_keys": lambda n: colliding_int_keys(n * 100),
+    "set_calls_of_a_big_list": lambda n: set_calls_of_a_big_list(n * 20_000, 100),
+    "bytearray_copies": lambda n: byte_copies(n * 2**14, 300, "bytearray"),
+    "encode_copies": lambda n: byte_copies(n * 2**14, 300, "encode"),
+    "loss_scaler_levels": lambda n: loss_scaler_levels(n * 8),
+}
+
+
 @st.composite
 def pickle_cases(draw) -> tuple:
-    """("mutated", seed index, mutations) or ("pieces", protocol byte, [piece index or payload name])."""
-    if draw(st.booleans()):
-        return "mutated", draw(st.integers(0, 4)), draw(st.lists(_MUTATION, min_size=1, max_size=4))
+    """("mutated", seed index, mutations), ("pieces", protocol byte, [piece index or payload name]) or ("bomb",
+    name, scale)."""
+    kind = draw(st.sampled_from(["mutated"] * 3 + ["pieces"] * 3 + ["bomb"]))
+    if kind == "mutated":
+        return "mutated", draw(st.integers(0, 5)), draw(st.lists(_MUTATION, min_size=1, max_size=4))
+    if kind == "bomb":
+        return "bomb", draw(st.sampled_from(sorted(BOMBS))), draw(st.integers(1, 16))
     tokens = st.one_of(st.sampled_from(range(len(_PIECES))), st.sampled_from(sorted(PAYLOADS)))
     return "pieces", draw(st.sampled_from([2, 4, 5, 6])), draw(st.lists(tokens, max_size=24))
 
 
 def build_pickle(case: tuple, marker: str) -> bytes:
     """The bytes of a pickle case, its payloads creating ``marker`` if they ever run."""
+    if case[0] == "bomb":
+        return BOMBS[case[1]](case[2])
     if case[0] == "pieces":
         body = b"".join(PAYLOADS[t](marker) if isinstance(t, str) else _PIECES[t] for t in case[2])
         return b"\x80" + bytes([case[1]]) + body + b"."
@@ -747,6 +839,12 @@ TARGETS: dict[str, tuple[Any, Callable[[str, Any], str]]] = {
 }
 
 
+def _peak_rss_mb() -> float:
+    """The process's peak resident memory so far (the kernel's VmHWM), in MB."""
+    with open("/proc/self/status") as f:
+        return int(re.search(r"VmHWM:\s+(\d+) kB", f.read()).group(1)) / 1024
+
+
 def run(
     target: str,
     *,
@@ -756,9 +854,13 @@ def run(
     log: Callable[[str], None] | None = None,
 ) -> dict[str, int]:
     """Run ``examples`` cases of ``target``; return the count of each outcome. A case that runs past
-    ``CASE_TIMEOUT`` seconds dumps every thread's traceback and exits the process (code 70): a hang."""
+    ``CASE_TIMEOUT`` seconds dumps every thread's traceback and exits the process (code 70): a hang. A case that
+    takes more than ``CASE_SECONDS`` or raises the process's peak RSS more than ``CASE_MEMORY_MB`` above its peak
+    before the first case breaks a property."""
     strategy, check = TARGETS[target]
     counts: dict[str, int] = {}
+    seconds = CASE_SECONDS.get(target, CASE_TIMEOUT)
+    ceiling = _peak_rss_mb() + CASE_MEMORY_MB
 
     @settings(
         max_examples=examples,
@@ -776,7 +878,11 @@ def run(
         try:
             if log is not None:
                 log(repr(case)[:4000])
+            started = time.perf_counter()
             outcome = check(workdir, case)
+            took = time.perf_counter() - started
+            assert took <= seconds, f"the case took {took:.1f} s, more than {seconds:g}"
+            assert _peak_rss_mb() <= ceiling, f"the case took the process's peak RSS to {_peak_rss_mb():.0f} MB"
             counts[outcome] = counts.get(outcome, 0) + 1
         finally:
             faulthandler.cancel_dump_traceback_later()

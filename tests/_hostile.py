@@ -26,6 +26,8 @@ __all__ = [
     "INDEX",
     "MANIFEST",
     "forge_manifest",
+    "torch_save_pickle",
+    "traced_peak",
     "opened_files",
     "outside",
     "replace_shard",
@@ -250,3 +252,202 @@ def run_python(
         check=False,
         preexec_fn=limits,
     )
+
+
+# -- files crafted to exhaust a reader's time or memory --------------------------------------------------------------
+
+
+def torch_save_pickle(obj: Any) -> bytes:
+    """The pickle ``torch.save`` writes for ``obj`` (its archive's data.pkl), to craft from or read alone."""
+    import io
+    import zipfile
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with zipfile.ZipFile(buffer) as archive:
+        return archive.read(next(n for n in archive.namelist() if n.endswith("/data.pkl")))
+
+
+@contextlib.contextmanager
+def traced_peak() -> Iterator[list[int]]:
+    """The peak of the memory Python allocated while the block ran (tracemalloc), appended to the list yielded."""
+    import tracemalloc
+
+    peak: list[int] = []
+    tracemalloc.start()
+    try:
+        yield peak
+    finally:
+        peak.append(tracemalloc.get_traced_memory()[1])
+        tracemalloc.stop()
+
+
+def _text(value: str) -> bytes:
+    data = value.encode("utf-8", "surrogatepass")
+    return b"X" + struct.pack("<I", len(data)) + data
+
+
+def _long(value: int) -> bytes:
+    data = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+    return b"\x8a" + bytes([len(data)]) + data
+
+
+def _in_optimizer_state(body: bytes) -> bytes:
+    """A protocol-2 pickle of ``{"optimizer_state_dict": {"zero_stage": <body>, "partition_count": 1}}``: where a
+    rank file's first check shows the value in its error message."""
+    head = b"\x80\x02}(" + _text("optimizer_state_dict") + b"}(" + _text("partition_count") + b"K\x01"
+    return head + _text("zero_stage") + body + b"uu."
+
+
+def loss_scaler_levels(levels: int = 60) -> bytes:
+    """``levels`` allow-listed LossScaler stand-ins, each with two attributes that are the level below: 2 ** levels
+    paths through 8 kB (a repr bounded per level took time doubling with each level)."""
+    body = b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\nq\x00)\x81}b"  # memo 0: the class; level 0
+    for level in range(1, levels + 1):
+        below = b"h" + bytes([level])  # the level below, kept in memo slot ``level``
+        body += b"q" + bytes([level]) + b"0" + b"h\x00)\x81}(" + _text("a") + below + _text("b") + below + b"ub"
+    return _in_optimizer_state(body)
+
+
+def colliding_int_keys(count: int = 200_000) -> bytes:
+    """A dict of ``count`` distinct int keys that all hash to 0 (multiples of 2**61 - 1): quadratic to fill."""
+    items = [_long((k + 1) * (2**61 - 1)) + b"N" for k in range(count)]
+    batches = [b"(" + b"".join(items[start : start + 1000]) + b"u" for start in range(0, count, 1000)]
+    return _in_optimizer_state(b"}" + b"".join(batches))
+
+
+def set_calls_of_a_big_list(items: int = 1_000_000, calls: int = 3000) -> bytes:
+    """A list of ``items`` items, then ``calls`` calls of the allowed ``builtins.set`` on it (one memo read each)."""
+    body = b"](" + b"N" * items + b"eq\x000" + b"c__builtin__\nset\nq\x010("
+    body += b"h\x01h\x00\x85R" * calls + b"t"
+    return _in_optimizer_state(body)
+
+
+def byte_copies(size: int = 2**20, copies: int = 4000, how: str = "bytearray") -> bytes:
+    """``size`` bytes, then ``copies`` copies of them by the allowed ``bytearray`` or ``_codecs.encode``."""
+    if how == "bytearray":
+        body = b"B" + struct.pack("<I", size) + b"\0" * size + b"q\x000c__builtin__\nbytearray\nq\x010("
+        body += b"h\x01h\x00\x85R" * copies
+    else:
+        body = b"X" + struct.pack("<I", size) + b"a" * size + b"q\x000c_codecs\nencode\nq\x010" + _text("latin1")
+        body += b"q\x020(" + b"h\x01h\x00h\x02\x86R" * copies
+    return _in_optimizer_state(body + b"t")
+
+
+def empty_sets(size: int = 10 * 2**20) -> bytes:
+    """``size`` EMPTY_SET opcodes: 216 bytes of memory each."""
+    return b"\x80\x04" + b"\x8f" * size + b"."
+
+
+HOSTILE_PICKLES: dict[str, Callable[[], bytes]] = {
+    "loss_scaler_levels": loss_scaler_levels,
+    "colliding_int_keys": colliding_int_keys,
+    "set_calls_of_a_big_list": set_calls_of_a_big_list,
+    "bytearray_copies": lambda: byte_copies(how="bytearray"),
+    "encode_copies": lambda: byte_copies(how="encode"),
+    "empty_sets": empty_sets,
+}
+
+
+def write_zip(path: str, records: list[tuple[str, bytes, int, int, int]]) -> None:
+    """A zip archive of ``records``, each ``(name, bytes as stored, method, declared size, declared CRC)``: any
+    size or CRC an attacker declares, names given twice."""
+    out, central = bytearray(), bytearray()
+    for name, stored, method, size, crc in records:
+        encoded = name.encode()
+        fields = struct.pack("<HHHHHIIIHH", 20, 0, method, 0, 0x21, crc, len(stored), size, len(encoded), 0)
+        where = struct.pack("<HHHII", 0, 0, 0, 0, len(out))  # no comment, disk 0, no attributes, the offset
+        central += b"PK\x01\x02" + struct.pack("<H", 20) + fields + where + encoded
+        out += b"PK\x03\x04" + fields + encoded + stored
+    end = struct.pack("<HHHHIIH", 0, 0, len(records), len(records), len(central), len(out), 0)
+    with open(path, "wb") as f:
+        f.write(bytes(out) + bytes(central) + b"PK\x05\x06" + end)
+
+
+def rewrite_rank_file(path: str, change: Callable[[list[tuple[str, bytes, int, int, int]]], None]) -> None:
+    """Rewrite the torch.save archive ``path`` after ``change`` edits its records (stored, as torch writes them)."""
+    import zipfile
+    import zlib
+
+    with zipfile.ZipFile(path) as archive:
+        records = [(i.filename, archive.read(i), zipfile.ZIP_STORED) for i in archive.infolist()]
+    records = [(name, data, method, len(data), zlib.crc32(data)) for name, data, method in records]
+    change(records)
+    write_zip(path, records)
+
+
+def deflated_zeros(size: int) -> bytes:
+    """A raw deflate stream of ``size`` zero bytes (a multiple of 1 MiB), built from one repeated block in
+    milliseconds: about 1 kB per MiB."""
+    import zlib
+
+    compressor = zlib.compressobj(9, zlib.DEFLATED, -15)
+    block = compressor.compress(bytes(2**20)) + compressor.flush(zlib.Z_FULL_FLUSH)  # the state reset: repeatable
+    return block * (size // 2**20) + compressor.flush()
+
+
+def byteorder_bomb(path: str, inflated: int = 2**31) -> None:
+    """Make the rank file ``path``'s ``byteorder`` record a deflate stream of ``inflated`` zero bytes that declares
+    6 bytes, the CRC of ``little``."""
+    import zlib
+
+    def change(records: list) -> None:
+        for i, (name, *_rest) in enumerate(records):
+            if name.endswith("/byteorder"):
+                records[i] = (name, deflated_zeros(inflated), 8, 6, zlib.crc32(b"little"))
+
+    rewrite_rank_file(path, change)
+
+
+def duplicate_pickle(path: str, other: bytes) -> None:
+    """Give the rank file ``path`` a second ``data.pkl`` record, ``other``, after the first."""
+    import zlib
+
+    def change(records: list) -> None:
+        name = next(r[0] for r in records if r[0].endswith("/data.pkl"))
+        records.append((name, other, 0, len(other), zlib.crc32(other)))
+
+    rewrite_rank_file(path, change)
+
+
+def replace_pickle(path: str, data: bytes) -> None:
+    """Make ``data`` the pickle of the rank file ``path`` (its CRC and sizes updated)."""
+    import zlib
+
+    def change(records: list) -> None:
+        for i, (name, *_rest) in enumerate(records):
+            if name.endswith("/data.pkl"):
+                records[i] = (name, data, 0, len(data), zlib.crc32(data))
+
+    rewrite_rank_file(path, change)
+
+
+# name -> how it damages a rank file: the issue's crafted files, each in a checkpoint of DeepSpeed's layout.
+HOSTILE_RANK_FILES: dict[str, Callable[[str], None]] = {
+    **{name: (lambda path, build=build: replace_pickle(path, build())) for name, build in HOSTILE_PICKLES.items()},
+    "byteorder_2GiB_declared_6_bytes": byteorder_bomb,
+    "two_data_pkl_records": lambda path: duplicate_pickle(path, b"\x80\x02}."),
+}
+
+
+def consolidate_measured(src: str, dst: str, timeout: float = 120) -> tuple[int, float, float, str]:
+    """``stagesafe consolidate src dst`` in a fresh interpreter: ``(exit code, seconds in main(), peak RSS in MB
+    of the process, stderr)``. The peak is the kernel's VmHWM: ``ru_maxrss`` of a child counts the parent it was
+    forked from."""
+    code = (
+        "import re, sys, time\n"
+        "from stagesafe.cli import main\n"
+        "start = time.perf_counter()\n"
+        "code = main(['consolidate', sys.argv[1], sys.argv[2], '-q'])\n"
+        "seconds = time.perf_counter() - start\n"
+        "peak = int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) / 1024\n"
+        "print('MEASURED', code, seconds, peak)\n"
+    )
+    result = run_python(code, src, dst, timeout=timeout)
+    line = next((line for line in result.stdout.splitlines() if line.startswith("MEASURED ")), None)
+    if line is None:
+        raise AssertionError(f"consolidate died: exit {result.returncode}, stderr {result.stderr[-3000:]}")
+    _, exit_code, seconds, rss = line.split()
+    return int(exit_code), float(seconds), float(rss), result.stderr

@@ -7,6 +7,7 @@ DeepSpeed's own ``get_fp32_state_dict_from_zero_checkpoint``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import io
 import os
 import shutil
@@ -727,3 +728,58 @@ def test_a_damaged_rank_file_is_a_format_error_naming_it(tmp_path, how):
     expected = {"pickle_byte_flipped": "fails its CRC check", "legacy_format": "not a zip-format torch file"}
     with pytest.raises(CheckpointFormatError, match=rf"{name}.*{expected.get(how, 'cannot be read')}"):
         open_zero_checkpoint(src)
+
+
+# -- the opt-in to trust a checkpoint's pickles ------------------------------------------------------------------
+
+
+class Shade(enum.Enum):
+    """A user's Enum, kept in a checkpoint's hyperparameters."""
+
+    DARK = "dark"
+
+
+class _Touch:
+    """Creates ``path`` when unpickled by Python's pickle (a user's object whose ``__reduce__`` calls os.system)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def _with_client_state(tmp_path, client: dict) -> str:
+    def edit(kind, rank, states):
+        if kind == "model":
+            states.update(client)
+
+    return _crafted(tmp_path, edit=edit)
+
+
+@pytest.mark.parametrize("how", ["argument", "environment"])
+def test_trusting_a_checkpoint_gives_the_real_objects_by_torch_load_which_runs_its_code(tmp_path, monkeypatch, how):
+    marker = tmp_path / "ran"
+    src = _with_client_state(tmp_path, {"hyper_parameters": {"shade": Shade.DARK}, "payload": _Touch(str(marker))})
+    with pytest.raises(UnsafeCheckpointError, match="STAGESAFE_TRUST_PICKLES=1 loads it with torch.load"):
+        load_zero_checkpoint_with_client_state(src)
+    assert not marker.exists()
+    if how == "environment":
+        monkeypatch.setenv("STAGESAFE_TRUST_PICKLES", "1")
+    values, client = load_zero_checkpoint_with_client_state(src, trust_pickles=True if how == "argument" else None)
+    assert client["hyper_parameters"]["shade"] is Shade.DARK
+    assert marker.exists()  # what it opts into: the file's code ran
+    assert_bit_equal(values, _params())
+
+
+def test_a_users_enum_in_the_client_state_is_a_stand_in_by_default(tmp_path, caplog):
+    from stagesafe.zero.pickle_globals import OpaqueRecord
+
+    src = _with_client_state(tmp_path, {"hyper_parameters": {"shade": Shade.DARK, "w": torch.ones(2)}})
+    with caplog.at_level("WARNING", logger="stagesafe.zero.pickle_reader"):
+        values, client = load_zero_checkpoint_with_client_state(src)
+    shade = client["hyper_parameters"]["shade"]
+    assert isinstance(shade, OpaqueRecord) and shade._stands_for.endswith(".Shade") and shade._args == ("dark",)
+    assert torch.equal(client["hyper_parameters"]["w"], torch.ones(2))
+    assert f"{__name__}.Shade" in caplog.text and "inert stand-ins" in caplog.text
+    assert_bit_equal(values, _params())

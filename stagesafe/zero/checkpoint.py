@@ -25,7 +25,9 @@ aliases of the tensor they share.
 
 from __future__ import annotations
 
+import argparse
 import bisect
+import logging
 import math
 import os
 import re
@@ -44,12 +46,14 @@ from stagesafe.handoff.safe_files import read_in
 from stagesafe.zero.pickle_globals import (
     FLOATING,
     ITEMSIZE,
+    NamedGlobal,
     OpaqueRecord,
     TensorRecord,
     TorchDevice,
     TorchDType,
     TorchSize,
 )
+from stagesafe.zero.pickle_reader import TRUST_VARIABLE
 from stagesafe.zero.rank_file import RankFile
 from stagesafe.zero.widen import to_float32
 
@@ -57,6 +61,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["TensorSpec", "ZeroCheckpoint", "open_zero_checkpoint"]
+
+log = logging.getLogger(__name__)
 
 _OPTIM_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 _Z3_MODEL_RE = re.compile(r"zero_pp_rank_(\d+)_mp_rank_(\d+)_model_states\.pt")
@@ -146,7 +152,7 @@ class ZeroCheckpoint:
         aliases: dict[str, str],
         sources: dict[str, _Source],
         files: list[RankFile],
-        client_state: tuple[RankFile, dict[str, Any]],
+        client_state: tuple[RankFile, dict[str, Any], bool],
         staging_dir: str | None,
     ):
         self.url = url  #: the folder as given
@@ -158,7 +164,7 @@ class ZeroCheckpoint:
         self.ds_version = ds_version
         self.tensors = specs  #: stored tensors in DeepSpeed's state-dict order: buffers, frozen, trained
         self.aliases = aliases  #: tied name -> the stored name it shares its tensor with
-        self._unread_client_state: tuple[RankFile, dict[str, Any]] | None = client_state  # read on first use
+        self._unread_client_state: tuple[RankFile, dict[str, Any], bool] | None = client_state  # read on first use
         self._client_state: dict[str, Any] = {}
         self._sources = sources
         self._files = files
@@ -167,10 +173,15 @@ class ZeroCheckpoint:
     # -- description --------------------------------------------------------------------------------------------
     @property
     def client_state(self) -> dict[str, Any]:
-        """The non-DeepSpeed entries of rank 0's model states (Lightning's, say), their tensors read on first use."""
+        """The non-DeepSpeed entries of rank 0's model states (Lightning's, say), their tensors read on first use;
+        when the checkpoint was opened trusted, as ``torch.load(weights_only=False)`` gives them."""
         if self._unread_client_state is not None:
-            file, states = self._unread_client_state
-            self._client_state = {k: _materialize(file, v) for k, v in states.items()}
+            file, states, trusted = self._unread_client_state
+            if trusted:
+                loaded = file.load_with_torch()
+                self._client_state = {k: v for k, v in loaded.items() if k not in _DEEPSPEED_KEYS}
+            else:
+                self._client_state = {k: _materialize(file, v) for k, v in states.items()}
             self._unread_client_state = None
         return dict(self._client_state)
 
@@ -250,6 +261,7 @@ def open_zero_checkpoint(
     tag: str | None = None,
     exclude_frozen: bool = False,
     storage_options: dict[str, Any] | None = None,
+    trust_pickles: bool | None = None,
 ) -> ZeroCheckpoint:
     """Find and open the DeepSpeed checkpoint at ``src`` (a local path or an fsspec URL).
 
@@ -258,7 +270,14 @@ def open_zero_checkpoint(
     the weights are read from them, where they lie. Raises
     :class:`~stagesafe.errors.CheckpointFormatError` saying what was expected when ``src`` is not a checkpoint
     or lacks rank files, :class:`~stagesafe.errors.UnsafeCheckpointError` for a file the safe loader refuses.
+
+    ``trust_pickles`` (default: the environment variable ``STAGESAFE_TRUST_PICKLES`` is ``1``): the files are
+    trusted, nothing in them is refused, and :attr:`ZeroCheckpoint.client_state` holds the real objects,
+    loaded by ``torch.load(weights_only=False)``, which runs code the file names. Only for files you made.
     """
+    trusted = os.environ.get(TRUST_VARIABLE) == "1" if trust_pickles is None else bool(trust_pickles)
+    if trusted:
+        log.warning("%s: trusting its pickles (%s=1 or trust_pickles=True): code in them runs", src, TRUST_VARIABLE)
     fs, root = resolve(src, storage_options)
     tag, tag_dir, layout = _locate(fs, root, tag)
     tag_url = url_of(fs, tag_dir)
@@ -283,6 +302,7 @@ def open_zero_checkpoint(
             files=files,
             exclude_frozen=exclude_frozen,
             opened=opened,
+            trusted=trusted,
         )
     except BaseException as exc:
         for file in opened:
@@ -502,8 +522,8 @@ class _Structure:
         return tuple(value)
 
 
-def _load(local_dir: str, name: str, tag_url: str, opened: list[RankFile]) -> tuple[RankFile, dict]:
-    file = RankFile(local_dir, name, display=f"{tag_url}/{name}")
+def _load(local_dir: str, name: str, tag_url: str, opened: list[RankFile], trusted: bool) -> tuple[RankFile, dict]:
+    file = RankFile(local_dir, name, display=f"{tag_url}/{name}", trusted=trusted)
     opened.append(file)
     if not isinstance(file.content, dict):
         raise CheckpointFormatError(
@@ -550,8 +570,9 @@ def _build(
     files: _RankFiles,
     exclude_frozen: bool,
     opened: list[RankFile],
+    trusted: bool,
 ) -> ZeroCheckpoint:
-    first_file, first = _load(local_dir, files.optim[min(files.optim)], tag_url, opened)
+    first_file, first = _load(local_dir, files.optim[min(files.optim)], tag_url, opened, trusted)
     check = _Structure(first_file)
     osd0 = first.get("optimizer_state_dict")
     if not isinstance(osd0, dict) or "partition_count" not in osd0:
@@ -573,7 +594,7 @@ def _build(
         if rank == 0 and min(files.optim) == 0:
             file, sd = first_file, first
         else:
-            file, sd = _load(local_dir, files.optim[rank], tag_url, opened)
+            file, sd = _load(local_dir, files.optim[rank], tag_url, opened, trusted)
         rank_check = _Structure(file)
         osd = rank_check.mapping(sd.get("optimizer_state_dict", {}), "optimizer_state_dict")
         groups = rank_check.sequence(osd.get(groups_key), f"{groups_key!r}")
@@ -586,7 +607,7 @@ def _build(
         _missing_ranks(tag_url, files.model, world_size, files.model[min(files.model)], "optimizer file")
     models = []
     for rank in sorted(files.model):
-        models.append(_load(local_dir, files.model[rank], tag_url, opened))
+        models.append(_load(local_dir, files.model[rank], tag_url, opened, trusted))
     model0_file, model0 = models[0]
     check = _Structure(model0_file)
     for key in ("module", "buffer_names", "param_shapes"):
@@ -691,7 +712,7 @@ def _build(
         for alias, canonical in shared.items()
         if isinstance(alias, str) and alias and isinstance(canonical, str) and canonical in specs and alias not in specs
     }
-    client_state = (model0_file, {k: v for k, v in model0.items() if k not in _DEEPSPEED_KEYS})
+    client_state = (model0_file, {k: v for k, v in model0.items() if k not in _DEEPSPEED_KEYS}, trusted)
     ds_version = model0.get("ds_version")
     return ZeroCheckpoint(
         url=url,
@@ -717,7 +738,7 @@ def _stage(check: _Structure, osd: Mapping[str, Any], sd: Mapping[str, Any]) -> 
         zero = config.get("zero_optimization") if isinstance(config, Mapping) else None
         stage = zero.get("stage", 1) if isinstance(zero, Mapping) else 1
     if type(stage) is not int or stage not in (1, 2, 3):
-        raise CheckpointFormatError(f"ZeRO stage {shown(stage, 40)} is not one stagesafe reads (1, 2 or 3)")
+        raise check.bad(f"ZeRO stage {shown(stage, 40)} is not one stagesafe reads (1, 2 or 3)")
     return stage
 
 
@@ -830,9 +851,9 @@ def _read_in_runs(pieces: Sequence[tuple[RankFile, TensorRecord, int, int]], dty
 
 def _materialize(file: RankFile, value: Any, done: dict[int, Any] | None = None, depth: int = 0) -> Any:
     """``value`` (client state as the pickle reader built it) as ``torch.load`` gives it (imports torch): every
-    tensor read from ``file``, sizes, dtypes and devices as torch's. A value the pickle shares (its memo) is
-    converted once and stays shared, so a structure that reuses one list at every level costs its size, not
-    2 ** depth."""
+    tensor read from ``file``, sizes, dtypes and devices as torch's; inside stand-ins and namespaces too. A value
+    the pickle shares (its memo) is converted once and stays shared, so a structure that reuses one list at every
+    level costs its size, not 2 ** depth."""
     import torch
 
     done = {} if done is None else done
@@ -849,7 +870,7 @@ def _materialize(file: RankFile, value: Any, done: dict[int, Any] | None = None,
             out = torch.device(value.type, value.index)
         except RuntimeError:
             raise CheckpointFormatError(f"{file.display}: the client state holds {shown(value)}, no device torch knows")
-    elif not isinstance(value, (dict, list, tuple, OpaqueRecord)):
+    elif not isinstance(value, (dict, list, tuple, OpaqueRecord, argparse.Namespace)) or isinstance(value, NamedGlobal):
         return value
     elif depth > 64:
         raise CheckpointFormatError(f"{file.display}: the client state is nested more than 64 levels deep")
@@ -860,9 +881,12 @@ def _materialize(file: RankFile, value: Any, done: dict[int, Any] | None = None,
     elif isinstance(value, list):
         out = done[id(value)] = []
         out.extend(_materialize(file, item, done, depth + 1) for item in value)
-    elif isinstance(value, OpaqueRecord):
+    elif isinstance(value, (OpaqueRecord, argparse.Namespace)):  # the same object, its parts converted
         done[id(value)] = out = value
-        value.__dict__.update({k: _materialize(file, v, done, depth + 1) for k, v in value.__dict__.items()})
+        vars(value).update({k: _materialize(file, v, done, depth + 1) for k, v in vars(value).items()})
+        if isinstance(value, OpaqueRecord):
+            for part in ("_args", "_state", "_items"):
+                setattr(value, part, _materialize(file, getattr(value, part), done, depth + 1))
     else:
         out = tuple(_materialize(file, item, done, depth + 1) for item in value)
     done[id(value)] = out

@@ -1,31 +1,40 @@
 """What DeepSpeed's pickles hold, as :mod:`stagesafe.zero.pickle_reader` builds it without torch: the values,
-and the rule each allowed global stands for.
+and the rule each allowed torch, DeepSpeed or Lightning global stands for.
 
 A pickle names globals (``torch._utils._rebuild_tensor_v2``, ``collections.OrderedDict``, DeepSpeed's
 ``LossScaler``) for the unpickler to import and call. Here each allowed name maps to a rule of this module, a
 function of plain values that builds an inert value: a tensor becomes a :class:`TensorRecord` (where its bytes
 are, nothing read), ``torch.Size`` a :class:`TorchSize`, a dtype a :class:`TorchDType`, an allowed DeepSpeed
-class an :class:`OpaqueRecord` holding the pickled attributes. Nothing is imported by the name a file gives, and
-a name outside :data:`ALLOWED_GLOBALS` and the dtypes and storage types builds nothing. Each rule checks its
-arguments and raises :class:`Malformed` for any it refuses.
+class an :class:`OpaqueRecord` holding the pickled attributes. Nothing is imported by the name a file gives.
+Each rule checks its arguments and raises :class:`Malformed` for any it refuses. The values users keep in
+hyperparameters have rules of their own (:mod:`.pickle_user_values`); what a name outside both tables stands
+for, :mod:`.pickle_policy` says (a :class:`NamedGlobal`, instantiated as an :class:`OpaqueRecord`, or
+:class:`Refused`).
 """
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import math
+import pathlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
 from stagesafe.errors import shown
+from stagesafe.zero.pickle_limits import HashSpread
 
 __all__ = [
     "ALLOWED_GLOBALS",
     "FLOATING",
     "ITEMSIZE",
     "Malformed",
+    "NamedGlobal",
     "OpaqueRecord",
+    "Pending",
     "Refused",
     "Rule",
     "StorageRef",
@@ -38,6 +47,7 @@ __all__ = [
     "count",
     "find_global",
     "plain_key",
+    "set_state",
 ]
 
 # dtype (as torch names it, without "torch.") -> bytes per element: every dtype a rank file's tensor may have.
@@ -89,7 +99,7 @@ _MAX_KEY_ITEMS = 64  # items of a tuple used as a dict key or set item
 # -- the values it builds --------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageRef:
     """A tensor storage as the pickle names it: its bytes are the archive's record ``data/<key>``."""
 
@@ -102,7 +112,10 @@ class StorageRef:
         return self.numel * ITEMSIZE[self.dtype]
 
 
-@dataclass(frozen=True, eq=False)
+_NO_ATTRIBUTES: Mapping[str, Any] = MappingProxyType({})  # shared by the records of tensors without attributes
+
+
+@dataclass(frozen=True, eq=False, slots=True)
 class TensorRecord:
     """A tensor of the pickle, not read: ``shape`` elements of ``dtype`` at ``stride`` from element ``offset`` of
     ``storage``. ``attributes`` are the Python attributes pickled with it (DeepSpeed's ``ds_id``), kept inert."""
@@ -114,7 +127,7 @@ class TensorRecord:
     dtype: str
     requires_grad: bool = False
     parameter: bool = False
-    attributes: Mapping[str, Any] = field(default_factory=dict)
+    attributes: Mapping[str, Any] = field(default_factory=lambda: _NO_ATTRIBUTES)
 
     @property
     def itemsize(self) -> int:
@@ -148,13 +161,59 @@ class TensorRecord:
 
 
 class OpaqueRecord:
-    """Stands in for an allow-listed class (a DeepSpeed loss scaler, ...): keeps the pickled attributes, runs no
-    code. Each allowed class name gets its own subclass, named after it, so a ``repr`` says what it stood in for."""
+    """Stands in for an object of a class the reader does not import: a DeepSpeed loss scaler (allow-listed), or a
+    user's Enum member or dataclass (a warning names it). It runs no code and keeps what the pickle says of the
+    object: ``_stands_for`` (the class's full name), ``_args`` (what it was called or instantiated with: an Enum
+    member's value), the pickled attributes as its own (a dataclass's fields: ``record.lr``), ``_state`` (a state
+    that is not attributes) and ``_items`` (the items of a list or dict subclass). Its hash is its identity, so a
+    record used as a dict key costs one hash, whatever it holds."""
 
-    _stands_for = "?"
+    __slots__ = ("_stands_for", "_args", "_state", "_items", "_known", "__dict__")
+
+    def __init__(self, stands_for: str, args: tuple = (), *, known: bool = False):
+        self._stands_for = stands_for
+        self._args = args
+        self._state: Any = None
+        self._items: Any = None
+        self._known = known  # allow-listed: built without a warning, its state must be attributes
+
+    def __shown__(self) -> tuple[str, Any, str, bool]:  # stagesafe._shown: within the message's budget
+        own = [(name, value) for name, value in (("_args", self._args), ("_state", self._state)) if value]
+        return f"<{self._stands_for} (not imported) {{", itertools.chain(own, self.__dict__.items()), "}>", True
 
     def __repr__(self) -> str:
-        return f"<{self._stands_for} (not imported) {shown(self.__dict__, 200)}>"
+        return shown(self, 200)
+
+
+class NamedGlobal(OpaqueRecord):
+    """A global outside the table, as a value (a class or function a pickle names, never imported). Applying a
+    class's name builds an :class:`OpaqueRecord` of it; ``class_like``: the name is a class's (capitalised)."""
+
+    __slots__ = ("class_like",)
+
+    def __init__(self, full_name: str, *, class_like: bool):
+        super().__init__(full_name)
+        self.class_like = class_like
+
+    def __shown__(self) -> tuple[str, Any, str, bool]:
+        return f"<{self._stands_for} (not imported)", (), ">", False
+
+
+class Pending:
+    """A value that a later ``BUILD`` completes (a numpy dtype's byte order, an array's bytes): ``build(state)``
+    returns the value, which replaces this one on the stack and in the memo."""
+
+    def build(self, state: Any) -> Any:
+        raise NotImplementedError
+
+
+def set_state(record: OpaqueRecord, state: Any) -> None:
+    """``BUILD`` of a stand-in: attributes become its own; an allow-listed class's state must be attributes, another
+    state is kept as ``_state``."""
+    if record._known or _is_attributes(state):
+        record.__dict__.update(attributes_of(state))
+    else:
+        record._state = state
 
 
 class TorchSize(tuple):
@@ -236,17 +295,23 @@ def _no_hooks(value: Any) -> None:
 
 
 def attributes_of(value: Any) -> dict[str, Any]:
-    """Pickled attributes: a dict of str keys, or ``(dict, slots dict)`` as objects with ``__slots__`` give."""
-    if type(value) is tuple and len(value) == 2:
-        merged: dict[str, Any] = {}
-        for part in value:
-            merged.update(attributes_of(part))
-        return merged
-    if value is None:
-        return {}
-    if type(value) not in (dict, OrderedDict) or not all(isinstance(k, str) for k in value):
+    """Pickled attributes: a dict of str keys, or ``(dict or None, slots dict)`` as objects with ``__slots__``
+    give; else :class:`Malformed`."""
+    if not _is_attributes(value):
         raise Malformed(f"the state {shown(value, 60)} is not a dict of attributes")
-    return dict(value)
+    if type(value) is tuple:
+        return {**(value[0] or {}), **value[1]}
+    return dict(value or {})
+
+
+def _is_attributes(value: Any) -> bool:
+    if type(value) is tuple:
+        return len(value) == 2 and (value[0] is None or _is_names(value[0])) and _is_names(value[1])
+    return value is None or _is_names(value)
+
+
+def _is_names(value: Any) -> bool:
+    return type(value) in (dict, OrderedDict) and all(type(k) is str for k in value)
 
 
 def _tensor(args: tuple, *, v3: bool) -> TensorRecord | Refused:
@@ -327,12 +392,15 @@ def _from_type(args: tuple) -> TensorRecord | Refused:
 
 
 def _plain(kind: type, args: tuple) -> Any:
-    """``set(items)``, ``frozenset(items)``: items as a list, each a plain value."""
+    """``set(items)``, ``frozenset(items)``: items as a list, each a plain value, few of them of one hash."""
     if args == ():
         return kind()
     if len(args) != 1 or type(args[0]) is not list:
         raise Malformed(f"{kind.__name__} of {shown(args, 60)}")
-    return kind(plain_key(item) for item in args[0])
+    items, spread = [plain_key(item) for item in args[0]], HashSpread()
+    for item in items:
+        spread.check(None, item)
+    return kind(items)
 
 
 def _only(value: Any, *args_allowed: tuple) -> Callable[[tuple], Any]:
@@ -382,8 +450,7 @@ def _zero_stage(args: tuple) -> int:
 
 
 def _stand_in(full_name: str) -> Rule:
-    cls = type(full_name.rpartition(".")[2], (OpaqueRecord,), {"_stands_for": full_name, "__module__": __name__})
-    build = _only(cls, ())
+    build = _only(lambda: OpaqueRecord(full_name, known=True), ())
     return Rule(full_name, call=build, new=build)
 
 
@@ -425,7 +492,6 @@ ALLOWED_GLOBALS: dict[str, Rule] = {
             "deepspeed.runtime.fp16.loss_scaler.LossScaler",
             "deepspeed.runtime.fp16.loss_scaler.DynamicLossScaler",
             "deepspeed.utils.tensor_fragment.fragment_address",
-            "argparse.Namespace",  # save_hyperparameters() of an argparse Namespace
         )
     },
     # Lightning's client state: hyper_parameters is an AttributeDict.
@@ -448,22 +514,30 @@ _VALUES: dict[str, Any] = {
     "torch.nn.parameter.Parameter": _TensorType(parameter=True),
 }
 
-_KEY_TYPES = (str, int, float, bool, type(None), bytes, TorchDType, TorchDevice)
+_KEY_TYPES = frozenset({str, int, float, bool, type(None), bytes, TorchDType, TorchDevice})
+# Values of the standard library that may be keys too: their hash is cheap and not recursive.
+_VALUE_KEY_TYPES = (pathlib.PurePath, datetime.date, datetime.time, datetime.timedelta, datetime.tzinfo)
+_IDENTITY_OR_VALUE_KEYS = (Refused, OpaqueRecord, *_VALUE_KEY_TYPES)
 
 
 def find_global(full_name: str) -> Any:
-    """What the global ``full_name`` (``module.name``) stands for: a :class:`Rule`, or a value (a dtype, a storage
-    type, a tensor type); a :class:`Refused` naming it if it is none of those."""
-    found = ALLOWED_GLOBALS.get(full_name, _VALUES.get(full_name))
-    return Refused(full_name) if found is None else found
+    """What the torch, DeepSpeed or Lightning global ``full_name`` (``module.name``) stands for: a :class:`Rule`,
+    or a value (a dtype, a storage type, a tensor type); None if the table does not have it."""
+    return ALLOWED_GLOBALS.get(full_name, _VALUES.get(full_name))
 
 
 def plain_key(value: Any) -> Any:
-    """``value`` if it may be a dict key or set item: a plain value, or a short tuple of them, else
-    :class:`Malformed`. Hashing such a key is cheap and never recursive (hashing a tuple nested a million deep
-    overflows the C stack); DeepSpeed's keys are str and int."""
-    if type(value) in _KEY_TYPES or isinstance(value, (Refused, OpaqueRecord)):
+    """``value`` if it may be a dict key or set item: a plain value (a number, a string, a path, a date, a numpy
+    number, a stand-in, which hashes as its identity), or a short tuple of plain values, else :class:`Malformed`.
+    Hashing such a key is cheap and never recursive (hashing a tuple nested a million deep overflows the C stack);
+    DeepSpeed's keys are str and int."""
+    if type(value) in _KEY_TYPES or isinstance(value, _IDENTITY_OR_VALUE_KEYS) or _numpy_number(value):
         return value
     if type(value) in (tuple, TorchSize) and len(value) <= _MAX_KEY_ITEMS and all(type(v) in _KEY_TYPES for v in value):
         return value
     raise Malformed(f"a dict key or set item {shown(value, 60)} that is not a plain value")
+
+
+def _numpy_number(value: Any) -> bool:
+    """A numpy bool, integer, float or complex scalar (its hash is the Python number's)."""
+    return type(value).__module__ == "numpy" and getattr(getattr(value, "dtype", None), "kind", "") in "biufc"

@@ -1,28 +1,39 @@
-"""DeepSpeed's pickles, read by an interpreter of the few opcodes ``torch.save`` writes: nothing in a file runs.
+"""DeepSpeed's and Lightning's pickles, read by an interpreter of the few opcodes ``torch.save`` writes: nothing in
+a file runs, and reading any file takes time and memory linear in its size.
 
 ``torch.save`` writes a zip archive: ``<name>/data.pkl``, a pickle (protocol 2) of the saved object's structure,
 and one record ``<name>/data/<key>`` of raw bytes per tensor storage. Every unpickler, torch's weights-only one
 included, turns the globals a pickle names into real callables and calls them. This one never imports or calls
 anything a file names, and needs no torch: it interprets the binary opcodes of protocols 2 to 5 that build data
-(numbers, strings, containers, the memo, marks); a ``GLOBAL`` is looked up in the fixed table of
-:mod:`stagesafe.zero.pickle_globals`, and ``REDUCE``, ``NEWOBJ`` and ``BUILD`` apply that table's rules to
-plain values. A tensor comes out as a :class:`~stagesafe.zero.pickle_globals.TensorRecord`, which says where its
-bytes are; nothing is read here (:mod:`stagesafe.zero.rank_file` checks it against the archive and reads it).
+(numbers, strings, containers, the memo, marks). A ``GLOBAL`` is looked up in fixed tables: torch's, DeepSpeed's
+and Lightning's names (:mod:`stagesafe.zero.pickle_globals`: a tensor comes out as a
+:class:`~stagesafe.zero.pickle_globals.TensorRecord`, which says where its bytes are; nothing is read here), and
+the values users keep in hyperparameters (:mod:`stagesafe.zero.pickle_user_values`: paths, numpy values,
+datetimes, namespaces, built by constructors of ours from checked arguments). ``REDUCE``, ``NEWOBJ`` and
+``BUILD`` apply a table's rules to plain values. Any other name is judged by :mod:`stagesafe.zero.pickle_policy`:
+a class of the user's becomes an inert :class:`~stagesafe.zero.pickle_globals.OpaqueRecord` (the logger
+``stagesafe.zero.pickle_reader`` warns, naming it), a name in a module that runs code, or a call of a function,
+is refused.
 
-Refused with :class:`~stagesafe.errors.UnsafeCheckpointError` (nothing was run, since nothing ever is): a global
-outside the table (every one the pickle names is listed), an opcode outside the subset (``INST``, ``OBJ``,
-``EXT1``, the text opcodes of protocol 0, out-of-band buffers). Refused with
-:class:`~stagesafe.errors.CheckpointFormatError`: malformed input (truncated, an empty stack, a memo slot never
-set, arguments a rule refuses, a dict key or set item that is not a plain value, an integer of more than 64
-bytes). The interpreter is a loop, never a recursion, and hashes only flat keys, so no input nests it out of
-its stack.
+Refused with :class:`~stagesafe.errors.UnsafeCheckpointError` (nothing was run, since nothing ever is): those
+names (every one the pickle holds is listed), an opcode outside the subset (``INST``, ``OBJ``, ``EXT1``, the text
+opcodes of protocol 0, out-of-band buffers). Refused with :class:`~stagesafe.errors.CheckpointFormatError`:
+malformed input (truncated, an empty stack, a memo slot never set, arguments a rule refuses, a dict key or set
+item that is not a plain value, an integer of more than 64 bytes), and a pickle that would pass the bounds of
+:mod:`stagesafe.zero.pickle_limits` (memory charged per opcode and per call, keys of one hash). The interpreter
+is a loop, never a recursion, and hashes only flat keys, so no input nests it out of its stack.
+
+``trusted=True`` is for a file its user vouches for: nothing is refused (every name outside the tables is a
+stand-in, no warning), so that the caller may load the real objects with ``torch.load(weights_only=False)``.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import logging
 import re
 import struct
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -30,7 +41,9 @@ from typing import Any
 from stagesafe.errors import CheckpointFormatError, UnsafeCheckpointError, clip, shown
 from stagesafe.zero.pickle_globals import (
     Malformed,
+    NamedGlobal,
     OpaqueRecord,
+    Pending,
     Refused,
     Rule,
     StorageRef,
@@ -39,14 +52,33 @@ from stagesafe.zero.pickle_globals import (
     count,
     find_global,
     plain_key,
+    set_state,
 )
+from stagesafe.zero.pickle_limits import (
+    MARK_LIST,
+    MEMORY_BASE,
+    MEMORY_PER_BYTE,
+    OPCODE_MEMORY,
+    PER_ITEM,
+    RESULT,
+    SPARSE_SLOT,
+    HashSpread,
+    OverLimit,
+    weight,
+)
+from stagesafe.zero.pickle_policy import outside_table
+from stagesafe.zero.pickle_user_values import ATTRIBUTE_TARGETS, USER_VALUE_GLOBALS
 
-__all__ = ["read_pickle"]
+__all__ = ["TRUST_VARIABLE", "read_pickle"]
 
 _MAX_NAME = 256  # characters of a global's module or name
 _MAX_LONG = 64  # bytes of an integer (LONG1, LONG4): DeepSpeed's are 8 at most; larger ones cost time to hash
 _PROTOCOL = 5
 _STORAGE_KEY = re.compile(r"[0-9]{1,20}")  # torch.save names storage records data/0, data/1, ...
+_CALLED = " (a function, called)"  # why a name outside the tables is refused, beside being in a denied module
+TRUST_VARIABLE = "STAGESAFE_TRUST_PICKLES"
+
+log = logging.getLogger(__name__)
 
 
 # -- the interpreter ---------------------------------------------------------------------------------------------------
@@ -64,19 +96,27 @@ class _Reader:
     """The state of one pickle's interpretation, as in ``pickle._Unpickler``: a stack, marks saving the stacks
     under them, the memo. Each opcode method reads its argument bytes and changes the state."""
 
-    def __init__(self, data: bytes):
+    def __init__(self, data: bytes, *, trusted: bool):
         self.data = memoryview(data)
         self.pos = 0
         self.at = 0  # where the opcode being interpreted starts
         self.stack: list[Any] = []
         self.metastack: list[list[Any]] = []
-        self.memo: dict[int, Any] = {}
+        self.memo: list[Any] = []  # slots 0, 1, 2... as pickle numbers them
+        self.sparse_memo: dict[int, Any] = {}  # slots set before those below them
         self.proto = 0  # until a PROTO opcode says
         self.storages: dict[str, StorageRef] = {}
-        self.refused: dict[str, None] = {}  # in the order named
+        self.trusted = trusted
+        self.refused: dict[str, str] = {}  # name -> why ("" or _CALLED), in the order named
+        self.stand_ins: dict[str, str] = {}  # names of the stand-ins built, in order -> ""
+        self.names: dict[str, Any] = {}  # what each name outside the tables stands for: one object per name
+        self.pending_slots: dict[int, list[int]] = {}  # id of a Pending value -> the memo slots holding it
+        self.spread = HashSpread()
+        self.budget = MEMORY_PER_BYTE * len(data) + MEMORY_BASE
+        self.left = self.budget  # bytes of memory still to be charged (pickle_limits)
 
     def run(self) -> Any:
-        data, ops = self.data, _OPS
+        data, ops, costs = self.data, _OPS, _COSTS
         end = len(data)
         try:
             while True:
@@ -89,8 +129,26 @@ class _Reader:
                 if op is None:
                     raise _Outside(code, self.at)
                 op(self)
+                self.left -= costs[code]
+                if self.left < 0:
+                    self.spend(0)
         except _Stop:
             return self.stack.pop()
+
+    def spend(self, nbytes: int) -> None:
+        """Charge ``nbytes`` of memory (or work: items touched) to the budget."""
+        self.left -= nbytes
+        if self.left < 0:
+            raise OverLimit(
+                f"reading its pickle of {len(self.data)} bytes would take more than {self.budget // 2**20} MiB of "
+                f"memory ({MEMORY_PER_BYTE} bytes per byte of pickle and {MEMORY_BASE // 2**20} MiB), as no file "
+                "torch.save writes does: it was crafted to exhaust memory or time"
+            )
+
+    def note(self, value: Any) -> None:
+        """Remember a stand-in for the warning."""
+        if type(value) is OpaqueRecord and not value._known and not self.trusted:
+            self.stand_ins[value._stands_for] = ""
 
     # -- reading arguments
     def take(self, n: int) -> memoryview:
@@ -118,6 +176,7 @@ class _Reader:
         if not self.metastack:
             raise Malformed("an opcode takes the items since a MARK, and there is none")
         items, self.stack = self.stack, self.metastack.pop()
+        self.left += MARK_LIST  # the caller makes the items a tuple or adds them to a container, freeing the list
         return items
 
     def top(self) -> Any:
@@ -202,26 +261,35 @@ class _Reader:
         self.push(self.text(self.unpack(_U8)))
 
     def text(self, n: int) -> str:
-        return str(self.take(n), "utf-8", "surrogatepass")  # as pickle reads them: a lone surrogate is kept
+        value = str(self.take(n), "utf-8", "surrogatepass")  # as pickle reads them: a lone surrogate is kept
+        self.spend(sys.getsizeof(value))
+        return value
 
     def op_binbytes(self) -> None:
-        self.push(bytes(self.take(self.unpack(_U4))))
+        self.push(self.bytes(bytes, self.unpack(_U4)))
 
     def op_short_binbytes(self) -> None:
-        self.push(bytes(self.take(self.unpack(_B))))
+        self.push(self.bytes(bytes, self.unpack(_B)))
 
     def op_binbytes8(self) -> None:
-        self.push(bytes(self.take(self.unpack(_U8))))
+        self.push(self.bytes(bytes, self.unpack(_U8)))
 
     def op_bytearray8(self) -> None:
-        self.push(bytearray(self.take(self.unpack(_U8))))
+        self.push(self.bytes(bytearray, self.unpack(_U8)))
+
+    def bytes(self, kind: type, n: int) -> Any:
+        value = kind(self.take(n))
+        self.spend(sys.getsizeof(value))
+        return value
 
     # -- opcodes: containers
     def op_empty_tuple(self) -> None:
         self.push(())
 
     def op_tuple(self) -> None:
-        self.push(tuple(self.pop_mark()))
+        items = self.pop_mark()
+        self.spend(PER_ITEM["tuple"] * len(items))
+        self.push(tuple(items))
 
     def op_tuple1(self) -> None:
         self.push((self.pop(),))
@@ -243,6 +311,7 @@ class _Reader:
 
     def op_appends(self) -> None:
         items = self.pop_mark()
+        self.spend(PER_ITEM["list"] * len(items))
         self.container(list).extend(items)
 
     def op_empty_dict(self) -> None:
@@ -250,44 +319,86 @@ class _Reader:
 
     def op_setitem(self) -> None:
         value, name = self.pop(), self.pop()
-        self.container(dict)[plain_key(name)] = value
+        target = self.container(dict)
+        target[self.key(target, name)] = value
 
     def op_setitems(self) -> None:
         items = self.pop_mark()
         if len(items) % 2:
             raise Malformed("SETITEMS of an odd number of items")
+        self.spend(PER_ITEM["dict"] * len(items) // 2)
         target = self.container(dict)
         for i in range(0, len(items), 2):
-            target[plain_key(items[i])] = items[i + 1]
+            target[self.key(target, items[i])] = items[i + 1]
 
     def op_empty_set(self) -> None:
         self.push(set())
 
     def op_additems(self) -> None:
         items = self.pop_mark()
-        self.container(set).update(plain_key(item) for item in items)
+        self.spend(PER_ITEM["set"] * len(items))
+        target = self.container(set)
+        target.update(self.key(target, item) for item in items)
 
     def op_frozenset(self) -> None:
-        self.push(frozenset(plain_key(item) for item in self.pop_mark()))
+        items = self.pop_mark()
+        self.spend(PER_ITEM["set"] * len(items))
+        self.push(frozenset(self.key(items, item) for item in items))
+
+    def key(self, owner: Any, value: Any) -> Any:
+        """``value`` as a key of ``owner``: a plain value, few of them of one hash (pickle_limits)."""
+        value = plain_key(value)
+        self.spend(self.spread.check(owner, value))
+        return value
 
     def container(self, kind: type) -> Any:
-        """The container on top of the stack, which items are added to: a ``kind`` (a dict may be ordered)."""
+        """The container on top of the stack, which items are added to: a ``kind`` (a dict may be ordered), or
+        the items of a stand-in (a list or dict subclass of the user's)."""
         target = self.top()
         if isinstance(target, Refused):
             return _SINK
         if type(target) is kind or (kind is dict and type(target) is OrderedDict):
             return target
+        if type(target) is OpaqueRecord and kind is not set and not target._known:
+            if target._items is None:
+                target._items = kind()
+            if type(target._items) is kind:
+                return target._items
         raise Malformed(f"an opcode adds items to {shown(target, 60)}, which is not a {kind.__name__}")
 
     # -- opcodes: the memo
     def op_binput(self) -> None:
-        self.memo[self.unpack(_B)] = self.top()
+        self.put(self.unpack(_B))
 
     def op_long_binput(self) -> None:
-        self.memo[self.unpack(_U4)] = self.top()
+        self.put(self.unpack(_U4))
 
     def op_memoize(self) -> None:
-        self.memo[len(self.memo)] = self.top()
+        self.put(len(self.memo) + len(self.sparse_memo))
+
+    def put(self, index: int) -> None:
+        value = self.top()
+        self.memo_set(index, value)
+        if isinstance(value, Pending):  # its BUILD replaces it here too
+            self.pending_slots.setdefault(id(value), []).append(index)
+
+    def memo_set(self, index: int, value: Any) -> None:
+        """Pickles number their memo slots 0, 1, 2...: those are a list (8 bytes a slot); others a dict."""
+        memo = self.memo
+        if index == len(memo):
+            memo.append(value)
+        elif index < len(memo):
+            memo[index] = value
+        else:
+            self.spend(SPARSE_SLOT)
+            self.sparse_memo[index] = value
+
+    def memo_get(self, index: int) -> Any:
+        if index < len(self.memo):
+            return self.memo[index]
+        if index not in self.sparse_memo:
+            raise Malformed(f"memo slot {index} is read but was never set")
+        return self.sparse_memo[index]
 
     def op_binget(self) -> None:
         self.get(self.unpack(_B))
@@ -296,9 +407,7 @@ class _Reader:
         self.get(self.unpack(_U4))
 
     def get(self, index: int) -> None:
-        if index not in self.memo:
-            raise Malformed(f"memo slot {index} is read but was never set")
-        self.push(self.memo[index])
+        self.push(self.memo_get(index))
 
     # -- opcodes: globals and what is built from them
     def op_global(self) -> None:
@@ -317,9 +426,22 @@ class _Reader:
                 module, name = _compat_pickle.NAME_MAPPING[(module, name)]
             else:
                 module = _compat_pickle.IMPORT_MAPPING.get(module, module)
-        found = find_global(f"{module}.{name}")
-        if isinstance(found, Refused):
-            self.refused[found.name] = None
+        full = f"{module}.{name}"
+        found = find_global(full)
+        if found is None:
+            found = USER_VALUE_GLOBALS.get(full)
+        if found is None:
+            found = self.names.get(full)
+        if found is None:
+            self.spend(RESULT)
+            found = outside_table(module, name)
+            if isinstance(found, Refused) and self.trusted:
+                found = NamedGlobal(full, class_like=True)
+            if isinstance(found, Refused):
+                self.refused.setdefault(full, "")
+            elif not self.trusted and full != "builtins.object":  # that one: copyreg._reconstructor's base
+                self.stand_ins[full] = ""
+            self.names[full] = found
         return found
 
     def op_reduce(self) -> None:
@@ -338,23 +460,47 @@ class _Reader:
         self.push(self.apply(self.pop(), args, "new"))
 
     def apply(self, func: Any, args: Any, how: str) -> Any:
+        """``func(*args)`` (``how`` "call": REDUCE) or ``func.__new__(func, *args)`` ("new": NEWOBJ), as the
+        table's rule for ``func`` builds it, or a stand-in of a class outside the tables; never a call of what the
+        pickle names."""
         if isinstance(func, Refused):
             return func
         if type(args) is not tuple:
             raise Malformed(f"{shown(func, 60)} applied to {shown(args, 60)}, which is not a tuple")
-        build = getattr(func, how, None) if isinstance(func, Rule) else None
-        if build is None:
-            what = "called" if how == "call" else "instantiated"
-            raise Malformed(f"{shown(func, 60)} is {what}, which this reader does not do for it")
-        return build(args)
+        self.spend(weight(args))
+        if isinstance(func, Rule) and getattr(func, how) is not None:
+            built = getattr(func, how)(args)
+            self.note(built)
+            return built
+        if isinstance(func, NamedGlobal) and (how == "new" or func.class_like or self.trusted):
+            return OpaqueRecord(func._stands_for, args)
+        if isinstance(func, OpaqueRecord):  # a function outside the tables, or an object, called: refused
+            named = func._stands_for if isinstance(func, NamedGlobal) else f"an object of {func._stands_for}"
+            if self.trusted:
+                return OpaqueRecord(func._stands_for, args)
+            self.refused.setdefault(named, _CALLED)
+            return Refused(named)
+        what = "called" if how == "call" else "instantiated"
+        raise Malformed(f"{shown(func, 60)} is {what}, which this reader does not do for it")
 
     def op_build(self) -> None:
         state = self.pop()
         target = self.top()
+        self.spend(weight((state,)))
         if isinstance(target, Refused):
             return
-        if isinstance(target, OpaqueRecord) or type(target) is OrderedDict:  # a state dict's _metadata, say
+        if isinstance(target, Pending):
+            built = self.stack[-1] = target.build(state)
+            for slot in self.pending_slots.pop(id(target), ()):
+                if self.memo_get(slot) is target:
+                    self.memo_set(slot, built)
+            self.note(built)
+        elif type(target) is OpaqueRecord:
+            set_state(target, state)
+        elif type(target) is OrderedDict:  # a state dict's _metadata, say
             target.__dict__.update(attributes_of(state))
+        elif type(target) in ATTRIBUTE_TARGETS:
+            ATTRIBUTE_TARGETS[type(target)](target, state)
         else:
             raise Malformed(f"BUILD of {shown(target, 60)} with the state {shown(state, 60)}")
 
@@ -374,6 +520,8 @@ class _Reader:
         if type(location) is not str or len(location) > 64:
             raise Malformed(f"the storage location {shown(location, 60)}")
         ref = StorageRef(name, kind.dtype, count(numel, "a storage's size"))
+        if name not in self.storages:
+            self.spend(RESULT)  # a storage reference: 120 bytes
         known = self.storages.setdefault(name, ref)
         if known != ref:
             raise Malformed(f"storage {name} is named as {known.numel} {known.dtype} and as {numel} {kind.dtype}")
@@ -417,31 +565,39 @@ _OPS: dict[int, Callable[[_Reader], None]] = {
     }.items()
 }  # fmt: skip
 
+_COSTS = [0] * 256
+for _code, _nbytes in OPCODE_MEMORY.items():
+    _COSTS[_code[0]] = _nbytes
+
 # Why an opcode outside the subset is refused (the others are text opcodes of protocols 0 and 1).
 _CALLS_CODE = {ord("i"): "INST", ord("o"): "OBJ", 0x82: "EXT1", 0x83: "EXT2", 0x84: "EXT4", ord("P"): "PERSID"}
 
 
-def read_pickle(data: bytes, *, display: str) -> Any:
+def read_pickle(data: bytes, *, display: str, trusted: bool = False) -> Any:
     """The value the pickle ``data`` (a ``torch.save`` archive's ``data.pkl``) describes, tensors as
-    :class:`TensorRecord`. ``display`` names the file in errors. Raises
-    :class:`~stagesafe.errors.UnsafeCheckpointError` or :class:`~stagesafe.errors.CheckpointFormatError` as the
-    module says; runs nothing the pickle names."""
-    reader = _Reader(data)
+    :class:`TensorRecord`, objects of classes outside the tables as stand-ins (a warning names them). ``display``
+    names the file in errors. Raises :class:`~stagesafe.errors.UnsafeCheckpointError` or
+    :class:`~stagesafe.errors.CheckpointFormatError` as the module says; runs nothing the pickle names.
+    ``trusted``: refuse no name and warn of no stand-in (the caller loads the real objects otherwise)."""
+    reader = _Reader(data, trusted=trusted)
     try:
         value = reader.run()
     except _Outside as exc:
         code, at = exc.args
-        raise UnsafeCheckpointError(_refusal(display, list(reader.refused), _opcode(code, at))) from None
-    except (Malformed, IndexError, KeyError, TypeError, ValueError, OverflowError, struct.error) as exc:
+        raise UnsafeCheckpointError(_refusal(display, reader.refused, _opcode(code, at))) from None
+    except (Malformed, OverLimit, IndexError, KeyError, TypeError, ValueError, OverflowError, struct.error) as exc:
         if reader.refused:  # whatever broke next, a refused global says more
-            raise UnsafeCheckpointError(_refusal(display, list(reader.refused))) from None
-        detail = clip(str(exc), 200) if isinstance(exc, Malformed) else f"{type(exc).__name__}: {clip(str(exc), 160)}"
+            raise UnsafeCheckpointError(_refusal(display, reader.refused)) from None
+        known = isinstance(exc, (Malformed, OverLimit))
+        detail = clip(str(exc), 300) if known else f"{type(exc).__name__}: {clip(str(exc), 160)}"
         raise CheckpointFormatError(
             f"{display} cannot be read as a torch checkpoint file ({detail}, at byte {reader.at} of its pickle); "
             "it is damaged, truncated or not a checkpoint DeepSpeed wrote: was it written or copied completely?"
         ) from None
     if reader.refused:
-        raise UnsafeCheckpointError(_refusal(display, list(reader.refused)))
+        raise UnsafeCheckpointError(_refusal(display, reader.refused))
+    if reader.stand_ins:
+        log.warning(_stand_ins(display, reader.stand_ins))
     return value
 
 
@@ -456,18 +612,32 @@ def _opcode(code: int, at: int) -> str:
     return f"the opcode {what} at byte {at}, which torch.save does not write"
 
 
-def _refusal(display: str, refused: list[str], opcode: str | None = None) -> str:
+def _listed(names: dict[str, str]) -> str:
+    """The first names, each with why it is listed."""
+    listed = ", ".join(repr(clip(name, 100)) + why for name, why in list(names.items())[:8])
+    return listed + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+def _refusal(display: str, refused: dict[str, str], opcode: str | None = None) -> str:
     if refused:
-        listed = ", ".join(repr(clip(g, 100)) for g in refused[:8])
-        listed += f" and {len(refused) - 8} more" if len(refused) > 8 else ""
-        what = ("the global " if len(refused) == 1 else "the globals ") + listed
+        what = ("the global " if len(refused) == 1 else "the globals ") + _listed(refused)
         return (
-            f"refused to load {display}: it holds {what}, which is not on stagesafe's allow-list for DeepSpeed "
-            "checkpoint files; nothing from the file was executed. A file written by DeepSpeed or Lightning does not "
-            "need it: if you did not make this file yourself, do not trust it; if you did, report the global to "
-            "stagesafe"
+            f"refused to load {display}: it holds {what}, which stagesafe never loads from a checkpoint file (names "
+            "of modules that run code, such as os, subprocess or builtins' eval, and calls of functions); nothing "
+            "from the file was executed. A file written by DeepSpeed or Lightning does not need them: if you did not "
+            f"make this file yourself, do not trust it; if you did and trust it, {TRUST_VARIABLE}=1 loads it with "
+            "torch.load(weights_only=False), which runs code from it"
         )
     return (
         f"refused to load {display}: it holds {opcode}; nothing from the file was executed. A file written by "
         "DeepSpeed or Lightning does not hold it: if you did not make this file yourself, do not trust it"
+    )
+
+
+def _stand_ins(display: str, names: dict[str, str]) -> str:
+    return (
+        f"{display}: {_listed(names)}, which stagesafe does not import, became inert stand-ins (OpaqueRecord: the "
+        "name, the arguments and the pickled attributes; no code runs); the weights do not need them. If you trust "
+        f"this file and need the real objects, {TRUST_VARIABLE}=1 loads them with torch.load(weights_only=False), "
+        "which runs code from it"
     )

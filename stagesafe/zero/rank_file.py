@@ -11,6 +11,11 @@ tensor that is to be read is checked against the file itself: its storage must b
 within the file's real size, and the tensor a run of that storage (a stride-0 view that repeats 4 bytes 16
 million times is refused). Only then are its bytes read, with ``pread``, into memory the caller allocated for
 exactly them; a file that shrank meanwhile gives a short read and a clear error.
+
+Every record of the archive is read with a limit from what it can be: ``byteorder`` a few bytes (a record that
+inflates past them is refused after at most a few kilobytes, however large it claims or inflates to), the
+pickle and the storages their stored size, within the file; the others (``version``, ``.data/...``) are not
+read. Two records of one name are refused: readers disagree on which one counts (torch takes the last).
 """
 
 from __future__ import annotations
@@ -34,11 +39,31 @@ _LOCAL_HEADER = struct.Struct("<4s22xHH")  # a zip local file header: signature 
 _MAX_BYTEORDER = 16
 
 
+def _named_twice(infos: list[zipfile.ZipInfo]) -> str | None:
+    """The first name two records of the archive share, if any."""
+    seen: set[str] = set()
+    for info in infos:
+        if info.filename in seen:
+            return info.filename
+        seen.add(info.filename)
+    return None
+
+
+def _read_small(archive: zipfile.ZipFile, info: zipfile.ZipInfo, limit: int) -> bytes | None:
+    """The record ``info`` if it holds at most ``limit`` bytes, its size as declared, else None; never more than a
+    few kilobytes are inflated, whatever the record claims."""
+    if info.file_size > limit or info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+        return None
+    with archive.open(info) as record:
+        data = record.read(limit + 1)  # zipfile inflates at most 4 KiB to give these
+    return data if len(data) == info.file_size else None
+
+
 class RankFile:
     """A rank file opened once. ``content`` is its pickled structure, tensors as records; :meth:`check` a tensor
     of it before :meth:`read_into` or :meth:`materialize` read its bytes."""
 
-    def __init__(self, folder: str, name: str, *, display: str):
+    def __init__(self, folder: str, name: str, *, display: str, trusted: bool = False):
         self.display = display
         self._file = open_local(folder, name, error=CheckpointFormatError, what=display)
         try:
@@ -52,13 +77,22 @@ class RankFile:
             pickled, self._storages = self._read_archive()
             self._materialized: dict[str | None, Any] = {}  # storage key -> its bytes (a torch tensor), read once
             self._materialized_bytes = 0
-            self.content = read_pickle(pickled, display=display)
+            self.content = read_pickle(pickled, display=display, trusted=trusted)
         except BaseException:
             self._file.close()
             raise
 
     def close(self) -> None:
         self._file.close()
+
+    def load_with_torch(self) -> Any:
+        """The whole file as ``torch.load(weights_only=False)`` gives it, on the CPU: this runs code the file names.
+        For a file its user trusts (``STAGESAFE_TRUST_PICKLES=1``)."""
+        import torch
+
+        with os.fdopen(os.dup(self._fd), "rb") as f:  # the same file, whatever its name points to now
+            f.seek(0)
+            return torch.load(f, map_location="cpu", weights_only=False)
 
     def check(self, tensor: Any, what: str, *, contiguous: bool = True) -> TensorRecord:
         """``tensor`` if its bytes lie in this file as ``torch.save`` lays them out, else a
@@ -129,7 +163,7 @@ class RankFile:
                 )
             done += n
 
-    def _read_archive(self) -> tuple[bytes, dict[str, tuple[int, int]]]:
+    def _read_archive(self) -> tuple[bytearray, dict[str, tuple[int, int]]]:
         """The pickle ``<name>/data.pkl`` and ``{storage key: (file offset of its record's bytes, size)}``, from the
         zip directory and each record's own header, keeping the stored (uncompressed) records that lie within the
         file, as ``torch.save`` writes them; and a check of the byte order torch saved with. The archive's name
@@ -138,14 +172,25 @@ class RankFile:
             with zipfile.ZipFile(self._file) as archive:
                 infos = archive.infolist()
                 prefix = infos[0].filename.partition("/")[0] + "/" if infos else ""
+                twice = _named_twice(infos)
                 order = [i for i in infos if i.filename == f"{prefix}byteorder"]
-                byteorder = archive.read(order[0]) if order and order[0].file_size <= _MAX_BYTEORDER else b"little"
+                byteorder = _read_small(archive, order[0], _MAX_BYTEORDER) if order and not twice else b"little"
         except Exception as exc:  # noqa: BLE001 - zipfile raises many kinds on a crafted archive
             raise CheckpointFormatError(
                 f"{self.display} cannot be read as a torch checkpoint file, its zip directory is broken "
                 f"({type(exc).__name__}: {clip(str(exc), 120)}); it is damaged or truncated: was it written or "
                 "copied completely?"
             ) from None
+        if twice is not None:
+            raise self._bad(
+                f"it holds two zip records named {shown(twice, 80)}, where torch.save writes one; readers disagree on "
+                "which one counts (torch takes the last): the file was crafted or damaged"
+            )
+        if byteorder is None:
+            raise self._bad(
+                f"its record {prefix}byteorder holds more than the {_MAX_BYTEORDER} bytes a byte order takes (or "
+                "inflates past the size it declares): the file was crafted or damaged"
+            )
         if byteorder.decode("ascii", "replace") != sys.byteorder:
             raise self._bad(
                 f"it was saved in {shown(byteorder.decode('ascii', 'replace'), 40)} byte order, this machine is "
@@ -173,4 +218,4 @@ class RankFile:
         if zlib.crc32(data) != pickled[2]:
             raise self._bad(f"its pickle {prefix}data.pkl fails its CRC check; the file is damaged")
         storages = {name[5:]: (start, size) for name, (start, size, _) in records.items() if name.startswith("data/")}
-        return bytes(data), storages
+        return data, storages
