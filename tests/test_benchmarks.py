@@ -53,6 +53,7 @@ SMALLEST = {
     "bench_load.py": ["--gb", "0.01", "--shard", "5MB", "--repeat", "1", "--root", "{tmp}"],
     "bench_write_digest.py": ["--gb", "0.01", "--rounds", "1", "--root", "{tmp}"],
     "fuzz_hostile.py": ["6"],
+    "hostile_limits.py": ["--repeat", "1"],
     "profile_consolidate.py": ["--hidden", "128", "--layers", "2"],
     "rounds_end_after_fit.py": ["--rounds", "1", "--only", "local"],
 }
