@@ -92,7 +92,7 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     """The public names (and submodules already imported), not the helpers this file imports."""
     submodules = [name for name, value in globals().items() if isinstance(value, types.ModuleType)
-                  and getattr(value, "__name__", "").startswith(f"{__name__}.")]
+                  and getattr(value, "__name__", "").startswith(f"{__name__}.") and not name.startswith("_")]
     return sorted(set(__all__) | set(submodules))
 
 
