@@ -308,3 +308,34 @@ def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
     while _stagesafe_threads() - before and time.monotonic() < deadline:  # a joined thread may take a moment to end
         time.sleep(0.01)
     assert _stagesafe_threads() - before == set()
+
+
+def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
+    from stagesafe.lightning.writer import WriteState
+
+    uri, values, gate = str(tmp_path / "h"), _values(), threading.Event()
+    (writer,) = _writers(1)
+    assert writer.state is None
+    writer.start(_request(uri, values, fill=gate.wait))  # the private copies wait: still copying
+    assert writer.state is WriteState.COPYING
+    gate.set()
+    deadline = time.monotonic() + 30
+    while writer.state is not WriteState.COMMITTED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.state is WriteState.COMMITTED and stagesafe.read_manifest(uri)
+    writer.join()
+    assert writer.state is None
+
+
+def test_a_failed_writes_state_is_failed_before_it_is_joined(tmp_path):
+    from stagesafe.lightning.writer import WriteState
+
+    (writer,) = _writers(1)
+    values = _values()
+    writer.start(_request(str(tmp_path / "h"), {**values, "layer5.weight": _Unwritable(values["layer5.weight"])}))
+    deadline = time.monotonic() + 30
+    while writer.state is not WriteState.FAILED and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert writer.state is WriteState.FAILED
+    with pytest.raises(RuntimeError, match="cannot be written"):
+        writer.join()

@@ -21,6 +21,7 @@ left running (the write's outcome is kept for whoever joins it, as above).
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours, so ours runs first
+import enum
 import functools
 import logging
 import os
@@ -42,7 +43,7 @@ from stagesafe.handoff.store import Commit, read_manifest, remove_replaced
 from stagesafe.lightning.agree import JobChannel, describe, quoted
 from stagesafe.lightning.shared_write import write_share
 
-__all__ = ["WriteRequest", "HandoffWriter"]
+__all__ = ["WriteRequest", "HandoffWriter", "WriteState"]
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +68,15 @@ class WriteRequest:
     on_failed: Callable[[], None] | None = None  # called on every rank when the write is known to have failed
 
 
+class WriteState(str, enum.Enum):
+    """Where one write stands on this rank (docs/how-it-works.md draws them)."""
+
+    COPYING = "copying"  # the private copies come off the device; then host memory is unlocked
+    WRITING = "writing"  # this rank's shards are written (or, where it writes none, rank 0's are)
+    COMMITTED = "committed"
+    FAILED = "failed"
+
+
 class _Write:
     """One write on this rank: its threads, its state and its outcome."""
 
@@ -75,7 +85,6 @@ class _Write:
         self.channel = channel
         self.writes_here = writes_here
         self.writers = writers
-        self.state = "copying"
         self.filled = threading.Event()
         self.device_done = threading.Event()
         self.finished = threading.Event()
@@ -87,6 +96,16 @@ class _Write:
     @property
     def uri(self) -> str:
         return self.request.uri
+
+    @property
+    def state(self) -> WriteState:
+        """Read from what the threads have done, never set apart from it. Committed is rank 0's word: another
+        rank's write is writing until it joins rank 0's outcome."""
+        if self.error is not None:
+            return WriteState.FAILED
+        if self.commit is not None:
+            return WriteState.COMMITTED
+        return WriteState.WRITING if self.filled.is_set() or not self.writes_here else WriteState.COPYING
 
 
 class HandoffWriter:
@@ -132,6 +151,11 @@ class HandoffWriter:
     def pending_uri(self) -> str | None:
         return self._write.uri if self._write is not None else None
 
+    @property
+    def state(self) -> WriteState | None:
+        """The state of the write not yet joined, on this rank; None when there is none."""
+        return self._write.state if self._write is not None else None
+
     # -- starting -----------------------------------------------------------------------------------------
     def start(self, request: WriteRequest) -> None:
         """Start writing ``request`` in the background (every rank calls this, in step). The previous write
@@ -146,8 +170,7 @@ class HandoffWriter:
         _WriteThread(f"stagesafe-handoff-device {request.uri}", self._device_work, write, self).start()
         if write.writes_here:
             _WriteThread(f"stagesafe-handoff-write {request.uri}", self._write_shards, write, self).start()
-        else:
-            write.state = "writing"  # elsewhere: rank 0 writes it
+        else:  # rank 0 writes it; this rank only joins
             write.finished.set()
 
     def _device_work(self, write: _Write) -> None:
@@ -181,7 +204,6 @@ class HandoffWriter:
             write.filled.wait()
             if write.error is not None:
                 raise write.error
-            write.state = "writing"
             write.commit = write_share(
                 request.values,
                 request.uri,
@@ -191,10 +213,8 @@ class HandoffWriter:
                 writers=write.writers,
                 metadata=request.metadata,
             )
-            write.state = "committed"
         except BaseException as exc:  # noqa: BLE001 - the joiner raises it
             write.error = exc
-            write.state = "failed"
         finally:
             request.phases["handoff_write"] = time.perf_counter() - start
         if self.rank == 0:  # the commit's outcome, for every rank
@@ -268,8 +288,8 @@ class HandoffWriter:
             return
         write.returned.set()
         if self.rank == 0:
-            state = "running" if not write.finished.is_set() else ("ok" if write.error is None else "failed")
-            write.channel.post("check", state)
+            word = {WriteState.COMMITTED: "ok", WriteState.FAILED: "failed"}.get(write.state, "running")
+            write.channel.post("check", word)
         write.channel.wait(["check"], what=f"{what}: rank 0's word on the last handoff write")
         if write.channel.get("check") != "running":
             self.join()
