@@ -295,19 +295,12 @@ def _verify(args: argparse.Namespace) -> int:
     from stagesafe.handoff.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
     from stagesafe.handoff.plan import digest_of
-    from stagesafe.handoff.store import read_manifest, verify
-    from stagesafe.progress import bytes_bar
+    from stagesafe.handoff.store import verify
 
     options = dict(args.storage_options) or None
     try:
-        total = sum(rec["size"] for rec in read_manifest(args.url, storage_options=options)["shards"].values())
-        bar = bytes_bar(False if args.quiet else None, total, f"verifying {args.url}")
-        try:
-            manifest = verify(args.url, storage_options=options, fix_index=args.fix_index,
-                              on_read=bar.update if bar is not None else None)
-        finally:
-            if bar is not None:
-                bar.close()
+        manifest = verify(args.url, storage_options=options, fix_index=args.fix_index,
+                          progress=False if args.quiet else None)
     except HandoffNotFoundError as exc:
         fs, root = resolve(args.url, options)
         if fs.isfile(join(root, "latest")):

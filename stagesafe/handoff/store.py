@@ -18,6 +18,7 @@ the file and the URL.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import functools
 import importlib.metadata
 import json
@@ -605,16 +606,23 @@ def load_state_dict(
     if not isinstance(verify, bool):
         raise InvalidArgumentError(f"verify={verify!r} must be True or False")
     manifest = _fetch_manifest(fs, root, retry)
-    total = sum(record["size"] for record in manifest["shards"].values())
-    if progress is None and total < _PROGRESS_FROM:
-        progress = False  # a small handoff loads faster than a bar could say anything
-    bar = bytes_bar(progress, total, f"loading {uri}")
-    try:
+    with _progress(progress, manifest, f"loading {uri}", least=_PROGRESS_FROM) as on_shard:
         return _while_unchanged(
             fs, root, manifest, retry,
-            lambda m: _load(fs, root, m, device, workers=workers, retry=retry, verify=verify,
-                            on_shard=bar.update if bar is not None else None),
+            lambda m: _load(fs, root, m, device, workers=workers, retry=retry, verify=verify, on_shard=on_shard),
         )
+
+
+@contextlib.contextmanager
+def _progress(
+    progress: bool | None, manifest: Mapping[str, Any], what: str, *, least: int = 0
+) -> Iterator[Callable[[int], None] | None]:
+    """A bar counting the handoff's shard bytes (:func:`stagesafe.progress.bytes_bar`), as the callable that
+    adds to it, or None; ``least``: below that many bytes there is none unless asked (it would only flash)."""
+    total = sum(record["size"] for record in manifest["shards"].values())
+    bar = bytes_bar(False if progress is None and total < least else progress, total, what)
+    try:
+        yield bar.update if bar is not None else None
     finally:
         if bar is not None:
             bar.close()
@@ -651,15 +659,14 @@ def verify(
     workers: int | None = None,
     retry: RetryPolicy | None = None,
     fix_index: bool = False,
-    on_read: Callable[[int], None] | None = None,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Re-hash every shard of the handoff at ``uri`` against its manifest, check their contents and the index.
 
     Streams each shard, ``workers`` at a time (default: 4 on a remote filesystem, 1 on a local disk), so memory
     stays bounded. Raises ``HandoffCorruptError`` naming the shard and what differs; returns the manifest.
     ``fix_index``: an index that differs from the manifest is rewritten from it (once the shards verified)
-    instead of being an error. ``on_read(n)``: called with each chunk's bytes as shards are read (progress; it
-    may be called from several threads).
+    instead of being an error. ``progress``: a bar on stderr (default: on a terminal).
     """
     fs, root = resolve(uri, storage_options)
     workers = _check_workers(workers, fs)
@@ -668,10 +675,11 @@ def verify(
         raise InvalidArgumentError(f"fix_index={fix_index!r} must be True or False")
     fs.invalidate_cache(root)  # sizes must come from the store, not from a listing cached before a write
     manifest = _fetch_manifest(fs, root, retry)
-    return _while_unchanged(
-        fs, root, manifest, retry,
-        lambda m: _verify(fs, root, m, workers=workers, retry=retry, fix_index=fix_index, on_read=on_read),
-    )
+    with _progress(progress, manifest, f"verifying {uri}") as on_read:
+        return _while_unchanged(
+            fs, root, manifest, retry,
+            lambda m: _verify(fs, root, m, workers=workers, retry=retry, fix_index=fix_index, on_read=on_read),
+        )
 
 
 def _verify(
