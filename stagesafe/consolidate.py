@@ -24,7 +24,7 @@ from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.workers import Workers
 from stagesafe.progress import bytes_bar
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
-from stagesafe.handoff.plan import (
+from stagesafe.handoff.manifest import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     MANIFEST_NAME,

@@ -1,8 +1,8 @@
 """``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
 
-Thin glue: each override hands the work to :mod:`stagesafe.lightning.boundary` (one call's passage), the
-strategy's :class:`~stagesafe.lightning.writer.HandoffWriter` (the background write of the handoff) and
-:mod:`stagesafe.lightning.agree` (the ranks agreeing through the job's key-value store).
+Thin glue: each override hands the work to :mod:`stagesafe.stages.boundary` (one call's passage), the
+strategy's :class:`~stagesafe.stages.writer.HandoffWriter` (the background write of the handoff) and
+:mod:`stagesafe.stages.channel` (the ranks agreeing through the job's key-value store).
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing_extensions import override
 
 from stagesafe.errors import DistributedStageError, EngineReleasedError, HandoffNotReadyError, InvalidArgumentError
 from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
-from stagesafe.lightning.agree import Ending, JobChannel, agree_on_ending
-from stagesafe.lightning.boundary import BoundaryReport, StageBoundary
-from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy
-from stagesafe.lightning.history import HandoffTarget, KeptTraining, history_of, state_tensors
-from stagesafe.lightning.location import Location, agree_on_location
-from stagesafe.lightning.writer import HandoffWriter
-from stagesafe.zero import engine as zero
+from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
+from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
+from stagesafe.stages.boundary import BoundaryReport, StageBoundary
+from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.stages.history import HandoffTarget, KeptTraining, history_of, state_tensors
+from stagesafe.stages.location import Location, agree_on_location
+from stagesafe.stages.writer import HandoffWriter
+from stagesafe.zero import engine as zero_engine
 from stagesafe.zero.checkpoint_writer import (
     holds_optimizer_state,
     is_weights_only,
@@ -229,7 +229,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         assert isinstance(self.config, dict)
         enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
         dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
-        zero.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
+        zero_engine.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         uri = self.handoff_uri
@@ -343,7 +343,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     @property
     def _engine_is_live(self) -> bool:
-        return zero.is_engine(self.model)
+        return zero_engine.is_engine(self.model)
 
     @property
     @override
@@ -681,7 +681,7 @@ def _check_local_handoff(name: str, url: str, storage_options: Mapping[str, Any]
     rank has started; one elsewhere is read at the first stage (every rank, before DeepSpeed starts)."""
     from stagesafe.errors import HandoffNotFoundError
     from stagesafe.handoff.fs import is_local
-    from stagesafe.handoff.plan import MANIFEST_NAME
+    from stagesafe.handoff.manifest import MANIFEST_NAME
 
     fs, root = resolve(url, dict(storage_options))
     if not is_local(fs):

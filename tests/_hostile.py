@@ -48,7 +48,7 @@ def safetensors_bytes(header: Any = None, data: bytes = b"", *, raw: bytes | Non
 def forge_manifest(root: str, edit: Callable[[dict], None]) -> dict:
     """Change the manifest of the local handoff ``root`` with ``edit`` and make its checksum match again, as an
     attacker who read the format would; the index gets the same weight map."""
-    from stagesafe.handoff.plan import manifest_checksum
+    from stagesafe.handoff.manifest import manifest_checksum
 
     path = os.path.join(root, MANIFEST)
     with open(path) as f:
@@ -71,7 +71,7 @@ def replace_shard(root: str, data: bytes, tensors: Mapping[str, tuple[str, list[
         f.write(data)
 
     from stagesafe.handoff.digest import hash_buffer
-    from stagesafe.handoff.plan import digest_of
+    from stagesafe.handoff.manifest import digest_of
 
     def edit(manifest: dict) -> None:
         manifest["shards"][shard] = {digest_of(manifest): hash_buffer(digest_of(manifest), data), "size": len(data)}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from stagesafe.lightning.host import _MIN_LOCK_BYTES, HostBuffers, _lockable
+from stagesafe.stages.host import _MIN_LOCK_BYTES, HostBuffers, _lockable
 
 
 def test_only_large_tensors_that_own_their_whole_allocation_are_locked_once_each():

@@ -11,8 +11,8 @@ from collections import OrderedDict
 
 import torch
 
-from stagesafe.lightning.history import KeptTraining, fingerprint
-from stagesafe.lightning.host import HostPool
+from stagesafe.stages.history import KeptTraining, fingerprint
+from stagesafe.stages.host import HostPool
 from stagesafe.zero.checkpoint_writer import WEIGHTS_ONLY_MARKER, is_weights_only, write_engine_checkpoint
 from stagesafe.zero.engine import _to_host
 

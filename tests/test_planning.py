@@ -10,9 +10,9 @@ import pathlib
 import pytest
 
 import stagesafe.handoff.codec
-import stagesafe.handoff.plan
+import stagesafe.handoff.manifest
 from stagesafe.handoff.digest import DEFAULT, NAMES, hash_buffer
-from stagesafe.handoff.plan import (
+from stagesafe.handoff.manifest import (
     FORMAT,
     build_index,
     build_manifest,
@@ -32,7 +32,7 @@ from stagesafe.handoff.plan import (
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 
 
-@pytest.mark.parametrize("module", [stagesafe.handoff.plan, stagesafe.handoff.codec], ids=["plan", "codec"])
+@pytest.mark.parametrize("module", [stagesafe.handoff.manifest, stagesafe.handoff.codec], ids=["plan", "codec"])
 def test_pure_module_imports_neither_torch_nor_fsspec(module):
     # Read the source rather than sys.modules: the package's __init__ may import torch for its own reasons.
     tree = ast.parse(pathlib.Path(module.__file__).read_text())

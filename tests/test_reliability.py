@@ -36,7 +36,7 @@ from stagesafe.errors import (
     InvalidArgumentError,
     StorageTransferError,
 )
-from stagesafe.handoff.plan import manifest_checksum
+from stagesafe.handoff.manifest import manifest_checksum
 from stagesafe.handoff.store import ORPHAN_AGE, RetryPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -22,7 +22,7 @@ from _hostile import forge_manifest, opened_files, outside, replace_shard, run_p
 
 from stagesafe.handoff.digest import CHUNK, DEFAULT, LEAF, NAMES, hash_buffer
 from stagesafe.handoff.fs import list_files, resolve
-from stagesafe.handoff.plan import digest_of, manifest_checksum
+from stagesafe.handoff.manifest import digest_of, manifest_checksum
 from stagesafe.errors import (
     HandoffCorruptError,
     HandoffExistsError,

@@ -72,7 +72,7 @@ def test_a_local_resume_from_that_is_not_a_handoff_fails_when_the_strategy_is_ma
 def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp_path, monkeypatch, caplog):
     import logging
 
-    from stagesafe.lightning.cpu import announce_comm_op_build, comm_op_folder
+    from stagesafe.cpu_strategy import announce_comm_op_build, comm_op_folder
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert comm_op_folder() == str(tmp_path / "deepspeed_shm_comm")

@@ -1,4 +1,4 @@
-"""The handoff writer (stagesafe/lightning/writer.py), in this process: two ranks as two threads sharing one
+"""The handoff writer (stagesafe/stages/writer.py), in this process: two ranks as two threads sharing one
 real key-value store (torch.distributed's HashStore), writing real files. Interpreter exit is tested in
 subprocesses, where it really happens."""
 
@@ -16,8 +16,8 @@ import torch.distributed as dist
 
 import stagesafe
 from stagesafe.errors import DistributedStageError, StorageTransferError
-from stagesafe.lightning.agree import JobChannel
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.channel import JobChannel
+from stagesafe.stages.writer import HandoffWriter, WriteRequest
 
 pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -228,8 +228,8 @@ def test_a_lone_write_that_fails_is_logged_on_every_rank_and_not_raised(tmp_path
 
 _EXIT_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
-from stagesafe.lightning.agree import JobChannel
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.channel import JobChannel
+from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, mode = sys.argv[1], sys.argv[2]
 values = {"w": torch.arange(12.0).reshape(3, 4)}
 if mode == "fail":
@@ -311,7 +311,7 @@ def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
 
 
 def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
-    from stagesafe.lightning.writer import WriteState
+    from stagesafe.stages.writer import WriteState
 
     uri, values, gate = str(tmp_path / "h"), _values(), threading.Event()
     (writer,) = _writers(1)
@@ -328,7 +328,7 @@ def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
 
 
 def test_a_failed_writes_state_is_failed_before_it_is_joined(tmp_path):
-    from stagesafe.lightning.writer import WriteState
+    from stagesafe.stages.writer import WriteState
 
     (writer,) = _writers(1)
     values = _values()

@@ -18,7 +18,7 @@ from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
-from stagesafe.handoff.plan import temp_name
+from stagesafe.handoff.manifest import temp_name
 from stagesafe.handoff.writeback import EVERY, start_writeback
 from stagesafe.errors import InvalidArgumentError, StorageBackendError
 

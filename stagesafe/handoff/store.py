@@ -42,7 +42,7 @@ from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.codec import encode_header as _safetensors_header
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.fs import basename, bucket_of, fsync_dir, is_local, join, list_files, resolve, url_of, write_atomic
-from stagesafe.handoff.plan import (
+from stagesafe.handoff.manifest import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     MANIFEST_NAME,

@@ -5,7 +5,7 @@ import sys
 
 import torch.distributed as dist
 
-from stagesafe.lightning import dist as _dist
+from stagesafe.stages import collectives as _dist
 from stagesafe.errors import DistributedStageError
 
 dist.init_process_group("gloo")

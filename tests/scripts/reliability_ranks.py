@@ -36,7 +36,7 @@ import torch
 from toy import ToyModule, dataloader, probe, state_digest, state_digest_of
 
 from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_dict
-from stagesafe.lightning.boundary import assert_clean
+from stagesafe.stages.boundary import assert_clean
 
 INTERRUPT_AT = 2
 ONE_RANK_TIMEOUT = 5  # seconds: the process group's timeout in the one_rank_fails run
@@ -152,7 +152,7 @@ FAULTS = ("flipped_byte", "truncated_shard", "missing_shard", "weight_map_disagr
 
 def bad_handoff(root: str, fault: str) -> tuple[str, str]:
     """A handoff with ``fault``, and the shard an error must name (\"\" for faults that are not a shard's)."""
-    from stagesafe.handoff.plan import manifest_checksum, INDEX_NAME, MANIFEST_NAME
+    from stagesafe.handoff.manifest import manifest_checksum, INDEX_NAME, MANIFEST_NAME
 
     uri = f"{rank_root(root)}/bad/{fault}"
     state = dict(fresh_module(seed=1).state_dict())

@@ -40,7 +40,7 @@ from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 
 import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
-from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 
 class GatedMemoryFileSystem(MemoryFileSystem):

@@ -19,7 +19,7 @@ import torch
 
 from stagesafe.errors import StorageTransferError
 from stagesafe.handoff.fs import resolve, url_of
-from stagesafe.handoff.plan import check_metadata, tag_for
+from stagesafe.handoff.manifest import check_metadata, tag_for
 from stagesafe.handoff.store import (
     Commit,
     HandoffPlan,
@@ -30,7 +30,7 @@ from stagesafe.handoff.store import (
     plan_specs,
     write_shards,
 )
-from stagesafe.lightning.agree import JobChannel, describe
+from stagesafe.stages.channel import JobChannel, describe
 
 __all__ = ["owners", "names_written_by", "write_share"]
 

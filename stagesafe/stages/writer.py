@@ -37,11 +37,11 @@ import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError
 from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.plan import tag_for
+from stagesafe.handoff.manifest import tag_for
 from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.handoff.store import Commit, read_manifest, remove_replaced
-from stagesafe.lightning.agree import JobChannel, describe, quoted
-from stagesafe.lightning.shared_write import write_share
+from stagesafe.stages.channel import JobChannel, describe, quoted
+from stagesafe.stages.shared_write import write_share
 
 __all__ = ["WriteRequest", "HandoffWriter", "WriteState"]
 

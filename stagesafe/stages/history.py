@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE
 
 if TYPE_CHECKING:
-    from stagesafe.lightning.writer import HandoffWriter
+    from stagesafe.stages.writer import HandoffWriter
 
 __all__ = ["HandoffTarget", "KeptTraining", "ModuleHistory", "history_of", "state_tensors", "fingerprint"]
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 import torch.distributed as torch_dist
 
 from stagesafe.handoff.fs import join, resolve, url_of
-from stagesafe.handoff.plan import MANIFEST_NAME, temp_name
+from stagesafe.handoff.manifest import MANIFEST_NAME, temp_name
 from stagesafe.handoff.store import read_small, remove_file, write_probe
-from stagesafe.lightning import dist
-from stagesafe.lightning.history import HandoffTarget
+from stagesafe.stages import collectives
+from stagesafe.stages.history import HandoffTarget
 
 __all__ = ["Location", "agree_on_location"]
 
@@ -39,17 +39,17 @@ def agree_on_location(target: HandoffTarget) -> Location:
     token = secrets.token_hex(8)
     fs, root = resolve(target.uri, dict(target.storage_options or {}))
     probe = temp_name(MANIFEST_NAME, token)  # a name the store's own cleanup removes, should it be left behind
-    dist.on_rank_zero(lambda: write_probe(fs, root, probe, token.encode()), f"writing to the handoff folder {target.uri}")
+    collectives.on_rank_zero(lambda: write_probe(fs, root, probe, token.encode()), f"writing to the handoff folder {target.uri}")
     box = [token]
-    if dist.world_size() > 1:
+    if collectives.world_size() > 1:
         torch_dist.broadcast_object_list(box, src=0)
     seen = read_small(fs, join(root, temp_name(MANIFEST_NAME, box[0])))
     mine = (seen == box[0].encode(), url_of(fs, root))
     everyone = [mine]
-    if dist.world_size() > 1:
-        everyone = [None] * dist.world_size()
+    if collectives.world_size() > 1:
+        everyone = [None] * collectives.world_size()
         torch_dist.all_gather_object(everyone, mine)  # every rank has looked: the token may go
-    if dist.rank() == 0:
+    if collectives.rank() == 0:
         remove_file(fs, join(root, probe))
-    writers = dist.world_size() if all(sees for sees, _ in everyone) else 1
+    writers = collectives.world_size() if all(sees for sees, _ in everyone) else 1
     return Location(writer_id=box[0], writers=writers, folders=tuple(url for _, url in everyone))

@@ -3,10 +3,10 @@
 Knows nothing of Lightning. ``enter`` refuses a module with stale DeepSpeed state; ``engine_built`` loads the
 exact fp32 values into the engine's masters (the kept fp32 masters where the module holds 16 bits); ``exit``
 takes the weights the stage ends with (the fp32 masters after training), keeps what the engine held beyond
-them (:class:`~stagesafe.lightning.history.KeptTraining`: masters of 16-bit parameters, the optimizer's
+them (:class:`~stagesafe.stages.history.KeptTraining`: masters of 16-bit parameters, the optimizer's
 partition), destroys the engine, gives the module back plain tensors in the dtype and device it had before its
 first stage, and has the handoff (fp32 wherever training had masters) written when it does not hold them yet
-(by the strategy's :class:`~stagesafe.lightning.writer.HandoffWriter`, in the background unless asked otherwise).
+(by the strategy's :class:`~stagesafe.stages.writer.HandoffWriter`, in the background unless asked otherwise).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from torch import nn
 
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, StaleDeepSpeedStateError
 from stagesafe.handoff.store import HandoffReader, check_present, plan_handoff, save_state_dict, save_streamed
-from stagesafe.lightning import dist
-from stagesafe.lightning.history import (
+from stagesafe.stages import collectives
+from stagesafe.stages.history import (
     HandoffTarget,
     KeptTraining,
     ModuleHistory,
@@ -33,11 +33,11 @@ from stagesafe.lightning.history import (
     new_history,
     state_tensors,
 )
-from stagesafe.lightning.host import HostBuffers, HostPool
-from stagesafe.lightning.shared_write import names_written_by
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.host import HostBuffers, HostPool
+from stagesafe.stages.shared_write import names_written_by
+from stagesafe.stages.writer import HandoffWriter, WriteRequest
 from stagesafe.restore import assign_values, load_for
-from stagesafe.zero import engine as zero
+from stagesafe.zero import engine as zero_engine
 
 __all__ = ["BoundaryReport", "StageBoundary", "assert_clean"]
 
@@ -66,7 +66,7 @@ class BoundaryReport:
 def assert_clean(module: nn.Module, *, fresh: set[int] = frozenset()) -> None:
     """Raise :class:`StaleDeepSpeedStateError` when the module still carries an earlier engine's state.
     ``fresh``: ids of parameters DeepSpeed's ``zero.Init`` built in this call (Lightning's ``configure_model``)."""
-    problems = zero.find_stale_state(module, fresh=fresh)
+    problems = zero_engine.find_stale_state(module, fresh=fresh)
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise StaleDeepSpeedStateError(
@@ -118,7 +118,7 @@ class StageBoundary:
         self._stepped = False  # the optimizer state was sized after the first step
         self._written_here: set[str] | None = None
         self._meta_values: dict[str, torch.Tensor] | None = None
-        self._footprint: zero.ModuleFootprint | None = None
+        self._footprint: zero_engine.ModuleFootprint | None = None
         self._entry: Mapping[str, torch.Tensor] | None = None
         self._loaded: dict[str, torch.Tensor] | None = None
         self.history: ModuleHistory | None = None
@@ -156,7 +156,7 @@ class StageBoundary:
         history.note_names(tensors, fresh=self._fresh_names)
         self.history = history
         self._still_there(history, on_meta)
-        self._footprint = zero.take_footprint(self.module, fresh=self._fresh)
+        self._footprint = zero_engine.take_footprint(self.module, fresh=self._fresh)
         self._entry = {n: t for n, t in tensors.items() if n not in self._fresh_names}
         if history.kept is not None and not on_meta:
             self._masters = history.kept.masters_for(self._entry)
@@ -179,7 +179,7 @@ class StageBoundary:
                 self.writer.join()  # this stage reads the handoff: its write must be committed
             reader = HandoffReader(source.uri, storage_options=source.storage_options)
             materialize = self._materialize
-            dist.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source.uri}")
+            collectives.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source.uri}")
             self._entry = reader
         self.report.enter_seconds = time.perf_counter() - start
 
@@ -192,7 +192,7 @@ class StageBoundary:
             return
         if source != self.target and not on_meta:
             return  # the module's weights go to this stage's handoff in any case
-        absent = dist.on_rank_zero(lambda: _absence(source), f"looking at the handoff {source.uri}")
+        absent = collectives.on_rank_zero(lambda: _absence(source), f"looking at the handoff {source.uri}")
         if absent is None:
             return
         missing, error = absent
@@ -206,13 +206,13 @@ class StageBoundary:
 
     def _resume(self, source: HandoffTarget) -> dict[str, torch.Tensor]:
         """Every rank loads and checks the handoff; none changes its module unless all can."""
-        placed = dist.all_ranks(
+        placed = collectives.all_ranks(
             lambda: load_for(self.module, source.uri, storage_options=source.storage_options,
-                             progress=None if dist.rank() == 0 else False),  # one bar, on rank 0's terminal
+                             progress=None if collectives.rank() == 0 else False),  # one bar, on rank 0's terminal
             f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
             "not visible from other nodes; use shared storage or an object store)",
         )
-        zero.strip_deepspeed_state(self.module, None)
+        zero_engine.strip_deepspeed_state(self.module, None)
         assign_values(self.module, placed)
         return state_tensors(self.module)
 
@@ -221,11 +221,11 @@ class StageBoundary:
         start making host memory ready for the optimizer state the stage's end keeps, as far as it is known."""
         if training and self._entry is not None:
             entry = {**self._entry, **self._masters} if self._masters else self._entry  # a handoff reader stays lazy
-            dist.all_ranks(lambda: zero.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
+            collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, entry), "loading the fp32 master weights")
         if self._sizes_kept_state():
             def specs() -> list[tuple[torch.Size, torch.dtype]]:
-                now = zero.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or []
-                return [*now, *zero.foreseen_state_specs(engine)]
+                now = zero_engine.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or []
+                return [*now, *zero_engine.foreseen_state_specs(engine)]
 
             self._size_kept_state(specs)
 
@@ -235,7 +235,7 @@ class StageBoundary:
         if self._stepped or not self._sizes_kept_state() or getattr(engine, "global_steps", 0) < 1:
             return
         self._stepped = True
-        self._size_kept_state(lambda: zero.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or [])
+        self._size_kept_state(lambda: zero_engine.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or [])
 
     def _sizes_kept_state(self) -> bool:
         return (self.training and self._keep_optimizer_state and self.device is not None
@@ -254,7 +254,7 @@ class StageBoundary:
 
     def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
         """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""
-        zero.load_values_into_engine(engine_module, values, set_masters=training)
+        zero_engine.load_values_into_engine(engine_module, values, set_masters=training)
         self._loaded = dict(values)
 
     # -- leaving ----------------------------------------------------------------------------------------------
@@ -289,9 +289,9 @@ class StageBoundary:
         mark("join_last_write")
         host = self._host.ready() if self._host is not None else None
         mark("host_memory_ready")
-        meta_specs = zero.full_specs(self.module)[0] if self.meta else {}  # shapes, before the engine goes
+        meta_specs = zero_engine.full_specs(self.module)[0] if self.meta else {}  # shapes, before the engine goes
         values: dict[str, torch.Tensor] | None = None
-        gathered: zero.GatheredValues | None = None
+        gathered: zero_engine.GatheredValues | None = None
         streamed = write_failed = False
         if engine is not None and trained and gather and self.meta:
             try:
@@ -301,7 +301,7 @@ class StageBoundary:
                 failure, self.meta, write_failed = failure or exc, False, True
         try:
             if not streamed and engine is not None and gather and (trained or self._fresh_names):
-                values, gathered = dist.all_ranks(
+                values, gathered = collectives.all_ranks(
                     lambda: self._consolidate(history, host, trained), "consolidating the ZeRO shards"
                 )
                 if trained:
@@ -324,8 +324,8 @@ class StageBoundary:
         kept_host, self._kept_host = self._kept_host, None
         mark("keep_engine_state")
         if engine is not None:
-            zero.destroy_engine(engine)
-        zero.strip_deepspeed_state(self.module, self._footprint)
+            zero_engine.destroy_engine(engine)
+        zero_engine.strip_deepspeed_state(self.module, self._footprint)
         mark("destroy")
         masters = self._masters
         if values is None and not streamed and (not self.meta or not self._in_handoff(history)):
@@ -339,7 +339,7 @@ class StageBoundary:
         if new_weights:
             history.kept = KeptTraining(
                 fingerprint(restored), masters={} if self.meta else masters, checkpoint=checkpoint,
-                lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=dist.world_size(),
+                lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=collectives.world_size(),
                 missing=missing,
             )
         if kept_host is not None:  # its taken tensors hold the kept checkpoint: locked while it lives
@@ -362,7 +362,7 @@ class StageBoundary:
                 for name, (shape, _) in meta_specs.items()
                 if name in history.original
             }
-        self.report.stale_problems = zero.find_stale_state(self.module)
+        self.report.stale_problems = zero_engine.find_stale_state(self.module)
         self.report.seconds = time.perf_counter() - start
         self._entry = self._loaded = None
         if failure is not None:
@@ -383,7 +383,7 @@ class StageBoundary:
         if self.report.wrote or self.history.target is None:
             self.history.target = self.target
         self.history.fingerprint = fingerprint(state_tensors(self.module))
-        self.report.stale_problems = zero.find_stale_state(self.module)
+        self.report.stale_problems = zero_engine.find_stale_state(self.module)
 
     # -- the parts of exit ------------------------------------------------------------------------------------
     def _join_last_write(self) -> None:
@@ -398,7 +398,7 @@ class StageBoundary:
             return None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls"
         try:
             pool = self._kept_host
-            files = zero.checkpoint_files(
+            files = zero_engine.checkpoint_files(
                 engine, exclude_frozen=self._exclude_frozen, host_memory=pool.take if pool is not None else None
             )
         except Exception as exc:  # noqa: BLE001 - the weights are what must not be lost; this is said at saving
@@ -416,7 +416,7 @@ class StageBoundary:
         history: ModuleHistory,
         values: Mapping[str, torch.Tensor],
         restored: Mapping[str, torch.Tensor],
-        gathered: zero.GatheredValues | None,
+        gathered: zero_engine.GatheredValues | None,
         host: HostBuffers | None,
         *,
         gather: bool,
@@ -453,7 +453,7 @@ class StageBoundary:
         values: Mapping[str, torch.Tensor],
         tensors: Mapping[str, torch.Tensor],
         *,
-        gathered: zero.GatheredValues | None,
+        gathered: zero_engine.GatheredValues | None,
         host: HostBuffers | None,
         background: bool,
     ) -> None:
@@ -499,7 +499,7 @@ class StageBoundary:
     def _write_streamed(self, history: ModuleHistory, metadata: Mapping[str, Any]) -> None:
         """Gather and write one tensor at a time (rank 0 writes, every rank joins each gather), so host memory
         stays near one tensor; used when the module lives on the meta device between stages."""
-        specs, aliases = zero.full_specs(self.module)
+        specs, aliases = zero_engine.full_specs(self.module)
         masters = self._master_names(history)
         specs = {
             n: {"dtype": "float32" if n in masters else str(history.original[n][0]).removeprefix("torch."),
@@ -507,7 +507,7 @@ class StageBoundary:
             for n, (shape, _) in specs.items()
             if n in history.original
         }
-        gathered = zero.GatheredValues(self.module, self._to_handoff(history, masters))
+        gathered = zero_engine.GatheredValues(self.module, self._to_handoff(history, masters))
         order = [n for n in specs if n not in aliases]
         asked: list[str] = []
 
@@ -523,7 +523,7 @@ class StageBoundary:
                 return len(order)
 
         def write() -> None:
-            if dist.rank() == 0:
+            if collectives.rank() == 0:
                 try:
                     save_streamed(
                         specs, aliases, _Counting(), self.target.uri, max_shard_size=self.target.max_shard_size,
@@ -536,20 +536,20 @@ class StageBoundary:
                 for name in order:
                     gathered[name]
 
-        dist.all_ranks(write, "gathering and writing the handoff")
+        collectives.all_ranks(write, "gathering and writing the handoff")
         self.report.wrote = True
 
     def _consolidate(
         self, history: ModuleHistory, host: HostBuffers | None, trained: bool
-    ) -> tuple[dict[str, torch.Tensor], zero.GatheredValues]:
+    ) -> tuple[dict[str, torch.Tensor], zero_engine.GatheredValues]:
         """The stage's weights: fp32 masters where the engine has them, exact entry values where unchanged,
         and gathered partitions for parameters only the engine has (built by zero.Init in this call).
 
         With ``host``, masters are copied into the module's own (page-locked) tensors instead of fresh memory;
         those of the shards this rank writes stay gathered for the writer's private copy (``host.fresh``).
         """
-        specs, aliases = zero.full_specs(self.module)
-        gathered = zero.GatheredValues(
+        specs, aliases = zero_engine.full_specs(self.module)
+        gathered = zero_engine.GatheredValues(
             self.module,
             self._to_handoff(history, self._master_names(history) if trained else set()),
             into=host.existing if host is not None else None,
@@ -574,7 +574,7 @@ class StageBoundary:
             name
             for name, param in self.module.named_parameters(remove_duplicate=False)
             if name in history.original and history.original[name][0] in (torch.bfloat16, torch.float16)
-            and zero.has_fp32_master(param)
+            and zero_engine.has_fp32_master(param)
         }
 
     def _to_handoff(self, history: ModuleHistory, masters: set[str]) -> Callable[[str, torch.Tensor], torch.Tensor]:
@@ -639,13 +639,13 @@ class StageBoundary:
         shard a tensor lands in depends on names and sizes only, the same at the stage's start and end)."""
         if self._written_here is None:
             self._written_here = names_written_by(
-                specs, aliases, max_shard_size=self.target.max_shard_size, rank=dist.rank(),
+                specs, aliases, max_shard_size=self.target.max_shard_size, rank=collectives.rank(),
                 writers=self.writer.writers,
             )
         return self._written_here
 
     def _private_copies(
-        self, values: Mapping[str, torch.Tensor], gathered: zero.GatheredValues | None
+        self, values: Mapping[str, torch.Tensor], gathered: zero_engine.GatheredValues | None
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
         """What a background writer reads: for the shards this rank writes, private copies the user cannot
         change (those the writer fills from the gathered masters, clones of the rest, made now, while the job
