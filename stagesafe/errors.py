@@ -83,7 +83,22 @@ class StorageTransferError(StageSafeError, OSError):
 
 
 class DistributedStageError(StageSafeError, RuntimeError):
-    """A failure on one or more ranks, raised on every rank so that none of them hangs."""
+    """A failure on one or more ranks, raised on every rank so that none of them hangs.
+
+    ``failures`` maps each failed rank to what it reported (as torch.distributed.checkpoint's
+    ``CheckpointException.failures`` does), so a caller can tell which ranks failed without parsing the message;
+    it is empty where a rank did not answer at all (the message names those)."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+    def __reduce__(self):  # keep ``failures`` through pickling (a multiprocessing pool, a spawned test)
+        return (_distributed_stage_error, (str(self), self.failures))
+
+
+def _distributed_stage_error(message: str, failures: dict[int, str]) -> DistributedStageError:
+    return DistributedStageError(message, failures=failures)
 
 
 class EngineReleasedError(StageSafeError, RuntimeError):
