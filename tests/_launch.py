@@ -1,4 +1,6 @@
-"""Launch test scripts as real processes: N ranks of a torch.distributed script, or one script that spawns its own.
+"""Launch test scripts as real processes: N ranks of a torch.distributed script, or one script that spawns its own;
+or run N ranks as threads of the test's own process, each with its channel on one real key-value store
+(:func:`on_every_rank`, :func:`store_channels`).
 
 Both helpers give the child a sanitized environment (no inherited rendezvous variables, CPU accelerator for
 DeepSpeed, one OpenMP thread) and, on failure or timeout, raise :class:`LaunchError` carrying every process's
@@ -14,8 +16,9 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 __all__ = [
@@ -23,9 +26,11 @@ __all__ = [
     "LaunchError",
     "ProcessResult",
     "free_port",
+    "on_every_rank",
     "run_ranks",
     "run_script",
     "sanitized_env",
+    "store_channels",
     "zero_checkpoints",
 ]
 
@@ -221,3 +226,38 @@ def zero_checkpoints(
     if not done:
         raise LaunchError("make_zero_checkpoint.py exited 0 without its DONE line", results)
     return {item["name"]: item for item in json.loads(done[-1][len("DONE ") :])}
+
+
+def on_every_rank(fn: Callable[[int], object], world: int, *, timeout: float = 60) -> list:
+    """Run ``fn(rank)`` in one thread per rank of this process; return each rank's result, or the exception
+    it raised (a rank still running after ``timeout`` seconds fails the test)."""
+    results: list = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects each rank's outcome
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"test-rank-{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"a rank is still running after {timeout} s"
+    return results
+
+
+def store_channels(world: int, *, timeout: float = 30.0, prefix: str = "t") -> list:
+    """One :class:`~stagesafe.stages.channel.JobChannel` per rank on a real ``TCPStore`` on a free port: rank
+    0's store serves, the others connect to it, as the ranks of a job do (rank ``r`` at index ``r``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from stagesafe.stages.channel import JobChannel
+
+    wait = datetime.timedelta(seconds=max(timeout, 30.0))
+    server = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False, timeout=wait)
+    stores = [server] + [dist.TCPStore("127.0.0.1", server.port, world, False, timeout=wait) for _ in range(1, world)]
+    return [JobChannel(store, rank=r, world=world, prefix=prefix, timeout=timeout) for r, store in enumerate(stores)]

@@ -5,11 +5,13 @@ another rank's main thread waits for that first rank's writer, whose device copi
 collective, deadlocks both. So everything a write needs to agree on (each rank's shards, the commit, the
 outcome, whether a failed stage may still gather) goes through ``torch.distributed``'s key-value store, which
 any thread may use at any time, and every wait ends after a bounded time with an error naming the ranks that
-did not answer.
+did not answer. How a rank's part ended travels as data (:class:`Outcome`, one encoding for every post), and
+the failures the ranks report become ``DistributedStageError.failures``.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -17,7 +19,7 @@ from typing import Any
 
 from stagesafe.errors import DistributedStageError
 
-__all__ = ["JobChannel", "Ending", "agree_on_ending", "describe", "quoted", "failures"]
+__all__ = ["JobChannel", "Outcome", "Ending", "agree_on_ending", "describe", "quoted", "failures"]
 
 _POLL_FIRST = 0.002  # seconds between looks at the store, growing to _POLL_MAX
 _POLL_MAX = 0.05
@@ -44,7 +46,7 @@ class JobChannel:
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
-            store = dist.distributed_c10d._get_default_store()
+            store = dist.distributed_c10d._get_default_store()  # torch has no public getter of the group's store
             return cls(store, rank=dist.get_rank(), world=dist.get_world_size(), prefix=prefix, timeout=timeout)
         return cls(dist.HashStore(), rank=0, world=1, prefix=prefix, timeout=timeout)
 
@@ -60,6 +62,13 @@ class JobChannel:
 
     def get(self, name: str) -> str:
         return self._store.get(self._key(name)).decode()
+
+    def post_outcome(self, name: str, outcome: "Outcome") -> None:
+        self.post(name, outcome.encode())
+
+    def outcome(self, name: str) -> "Outcome":
+        """The :class:`Outcome` posted under ``name`` (set: :meth:`wait` for it first)."""
+        return Outcome.decode(self.get(name))
 
     def has(self, name: str) -> bool:
         return bool(self._store.check([self._key(name)]))
@@ -113,9 +122,51 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def failures(outcomes: Mapping[int, str]) -> dict[int, str]:
-    """The ranks whose posted outcome is a failure (``"failed: ..."``), with its text."""
-    return {r: quoted(v.removeprefix("failed: ")) for r, v in outcomes.items() if v.startswith("failed")}
+@dataclass(frozen=True)
+class Outcome:
+    """How one rank's part of a step ended, as the ranks post it: ``error`` is the failure's text
+    (:func:`describe`), None where it went well; ``value`` is what a rank that succeeded reports (JSON data).
+
+    On the store it is JSON, ``{"status": "ok", "value": ...}`` or ``{"status": "failed", "error": "..."}``:
+    :meth:`encode` and :meth:`decode` are the one encoding of every outcome a rank posts.
+    """
+
+    error: str | None = None
+    value: Any = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @classmethod
+    def of(cls, error: BaseException | None, value: Any = None) -> "Outcome":
+        """The outcome of a step that raised ``error`` (None: it went well and gave ``value``)."""
+        return cls(value=value) if error is None else cls(error=describe(error))
+
+    def encode(self) -> str:
+        if self.ok:
+            return json.dumps({"status": "ok", "value": self.value})
+        return json.dumps({"status": "failed", "error": self.error})
+
+    @classmethod
+    def decode(cls, text: str) -> "Outcome":
+        try:
+            posted = json.loads(text)
+        except ValueError:
+            posted = None
+        status = posted.get("status") if isinstance(posted, dict) else None
+        if status == "ok":
+            return cls(value=posted.get("value"))
+        if status == "failed":
+            return cls(error=str(posted.get("error")))
+        raise DistributedStageError(
+            f"a rank posted {quoted(text)!r} where an outcome belongs: do all ranks run the same stagesafe version?"
+        )
+
+
+def failures(outcomes: Mapping[int, Outcome]) -> dict[int, str]:
+    """The ranks whose outcome is a failure, with its text (bounded): ``DistributedStageError.failures``."""
+    return {r: quoted(o.error) for r, o in sorted(outcomes.items()) if o.error is not None}
 
 
 @dataclass(frozen=True)
@@ -142,7 +193,7 @@ def agree_on_ending(channel: JobChannel, *, failed: bool, grace: float) -> Endin
     """
     wait = grace if failed else channel.timeout
     sub = channel.sub("ended")
-    sub.post(str(channel.rank), "failed" if failed else "ok")
+    sub.post_outcome(str(channel.rank), Outcome(error="its Trainer call failed") if failed else Outcome())
     everyone = [str(r) for r in range(channel.world)]
     try:
         sub.wait(everyone, what="the end of the Trainer call", timeout=wait)
@@ -150,7 +201,6 @@ def agree_on_ending(channel: JobChannel, *, failed: bool, grace: float) -> Endin
     except DistributedStageError:
         here = False
     gather = channel.decide("gather", "yes" if here else "no") == "yes"
-    present = {r for r in range(channel.world) if sub.has(str(r))}
-    failed_ranks = tuple(r for r in sorted(present) if sub.get(str(r)) == "failed")
-    absent = tuple(r for r in range(channel.world) if r not in present)
-    return Ending(gather=gather, failed=failed_ranks, absent=absent)
+    posted = {r: sub.outcome(str(r)) for r in range(channel.world) if sub.has(str(r))}
+    absent = tuple(r for r in range(channel.world) if r not in posted)
+    return Ending(gather=gather, failed=tuple(failures(posted)), absent=absent)

@@ -11,7 +11,6 @@ ranks do not see one folder), rank 0 writes everything.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,7 +29,7 @@ from stagesafe.handoff.store import (
     plan_specs,
     write_shards,
 )
-from stagesafe.stages.channel import JobChannel, describe
+from stagesafe.stages.channel import JobChannel, Outcome, failures
 
 __all__ = ["owners", "names_written_by", "write_share"]
 
@@ -75,47 +74,50 @@ def write_share(
 ) -> Commit | None:
     """This rank's shards of ``values`` (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose
     :class:`Commit` it returns. ``channel`` holds this write's keys (their prefix tags the shard names)."""
-    rank = channel.rank
     fs, root = resolve(uri, dict(storage_options or {}))
     metadata = check_metadata(metadata)
     plan = plan_handoff(values, max_shard_size=max_shard_size, tag=tag_for(channel.prefix))
-    mine = [file for file, owner in owners(plan, writers).items() if owner == rank]
+    mine = [file for file, owner in owners(plan, writers).items() if owner == channel.rank]
     records: dict[str, ShardRecord] = {}
     error: BaseException | None = None
     try:
         records = write_shards(fs, root, plan, mine)
-    except BaseException as exc:  # noqa: BLE001 - posted for rank 0, then raised here too
-        error = exc
-    if rank != 0:
-        posted: dict[str, Any]
-        if error is not None:
-            posted = {"error": describe(error)}
-        else:
-            posted = {f: [r.digest, r.hexdigest, r.size] for f, r in records.items()}
-        channel.post(f"shards/{rank}", json.dumps(posted))
+    except BaseException as exc:  # noqa: BLE001 - whatever ended this rank's share, an interrupt too, is posted:
+        error = exc  # rank 0 would otherwise wait out the timeout for it; raised here too
+    if channel.rank != 0:
+        value = {f: [r.digest, r.hexdigest, r.size] for f, r in records.items()}
+        channel.post_outcome(f"shards/{channel.rank}", Outcome.of(error, value))
         if error is not None:
             raise error
         return None
-    others = [f"shards/{r}" for r in range(1, writers)]
-    failures = []
-    try:
-        channel.wait(others, what=f"writing the handoff {url_of(fs, root)!r}: the shards of the other ranks")
-        for r, other in enumerate(others, start=1):
-            posted = json.loads(channel.get(other))
-            if "error" in posted:
-                failures.append(f"rank {r}: {posted['error']}")
-            else:
-                records.update(
-                    {f: ShardRecord(digest=d, hexdigest=h, size=size) for f, (d, h, size) in posted.items()}
-                )
-    except BaseException as exc:  # noqa: BLE001 - raised below, once this write's shards are gone
-        error = error or exc
-    if error is None and not failures:
+    waited, failed = _gather_records(channel, writers, records, url_of(fs, root))  # also after a failure here:
+    error = error or waited  # the other ranks' shards are deleted only once they are written
+    if error is None and not failed:
         return commit_handoff(fs, root, plan, records, metadata=metadata)  # a failure here may have committed
     delete_shards(fs, root, plan.shards)  # every rank's: a write that failed before its commit leaves nothing
     if error is not None:
         raise error
+    shown = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
     raise StorageTransferError(
-        f"could not write the shards of {url_of(fs, root)!r} on {'; '.join(failures)}; nothing was committed: "
+        f"could not write the shards of {url_of(fs, root)!r} on {shown}; nothing was committed: "
         "the handoff there before, if any, is unchanged"
     )
+
+
+def _gather_records(
+    channel: JobChannel, writers: int, records: dict[str, ShardRecord], url: str
+) -> tuple[Exception | None, dict[int, str]]:
+    """On rank 0: add the other writing ranks' shard records to ``records``. Returns the error that ended the
+    wait, if any, and the ranks that posted a failure, with its text."""
+    others = range(1, writers)
+    what = f"writing the handoff {url!r}: the shards of the other ranks"
+    try:
+        channel.wait([f"shards/{r}" for r in others], what=what)
+        posted = {r: channel.outcome(f"shards/{r}") for r in others}
+    except Exception as exc:  # noqa: BLE001 - raised by the caller, once this write's shards are gone
+        return exc, {}
+    for outcome in posted.values():
+        if outcome.ok:
+            shards = outcome.value.items()
+            records.update({f: ShardRecord(digest=d, hexdigest=h, size=size) for f, (d, h, size) in shards})
+    return None, failures(posted)

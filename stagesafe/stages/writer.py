@@ -1,25 +1,28 @@
 """The strategy's one background writer of its handoff: its threads, host memory, rank agreement and outcome.
 
 A Trainer call returns as soon as the module holds its weights; the handoff is written afterwards. One write
-at a time, owned here from the first byte to the commit, in these states (docs/how-it-works.md):
+at a time, owned here from the first byte to the commit. Its state is two futures, as
+torch.distributed.checkpoint's ``async_save`` (staging, upload) and torchtitan's ``staging_future`` /
+``save_future`` hold theirs, and :class:`WriteState` is read from them (docs/how-it-works.md draws it):
 
-    copying    the write's private copies come off the device; once the Trainer call has returned, the
-               page-locked host memory of the stage is unlocked. Needs the device.
-    writing    every writing rank writes its share of the shards; rank 0 commits once all have posted
-               (the job's key-value store, never a collective). Host only.
-    committed | failed
+    copied      the write's private copies are off the device (they need it; once the Trainer call has
+                returned, the page-locked host memory of the stage is unlocked too)
+    committed   the commit, or the failure: every writing rank writes its share of the shards, rank 0
+                commits once all have posted (the job's key-value store, never a collective) and posts how
+                it went; every other rank reads that word. Host only.
 
-It is joined, on every rank and through the key-value store, by: the next Trainer call (its entry raises a
-failure already known, its end joins the write), ``wait_for_handoff()``, and the interpreter's exit, which
-runs before threading's and concurrent.futures' own exit hooks, so the write can still finish; a failure
-there is printed as an error on every rank and the exit status is non-zero. Every wait is bounded by the
-strategy's timeout. Threads are daemons: a signal that ends the process ends them too; each has a ``stop()``
-that finishes the write and returns with the thread dead, as Lightning's test suite expects of a daemon thread
-left running (the write's outcome is kept for whoever joins it, as above).
+It is joined, on every rank, by: the next Trainer call (its entry raises a failure already known, rank 0
+deciding through the key-value store; its end joins the write), ``wait_for_handoff()``, and the
+interpreter's exit, which runs before concurrent.futures' own exit hook, so the write can still finish; a
+failure there is printed as an error on every rank and the exit status is non-zero. Every wait is bounded by
+the strategy's timeout. Threads are daemons: a signal that ends the process ends them too; each has a
+``stop()`` that finishes the write and returns with the thread dead, as Lightning's test suite expects of a
+daemon thread left running (the write's outcome is kept for whoever joins it, as above).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours, so ours runs first
 import enum
 import functools
@@ -40,7 +43,7 @@ from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.manifest import tag_for
 from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.handoff.store import Commit, read_manifest, remove_replaced
-from stagesafe.stages.channel import JobChannel, describe, quoted
+from stagesafe.stages.channel import JobChannel, Outcome, describe, quoted
 from stagesafe.stages.shared_write import write_share
 
 __all__ = ["WriteRequest", "HandoffWriter", "WriteState"]
@@ -69,29 +72,53 @@ class WriteRequest:
 
 
 class WriteState(str, enum.Enum):
-    """Where one write stands on this rank (docs/how-it-works.md draws them)."""
+    """Where one write stands on this rank, read from its two futures (docs/how-it-works.md draws them)."""
 
-    COPYING = "copying"  # the private copies come off the device; then host memory is unlocked
-    WRITING = "writing"  # this rank's shards are written (or, where it writes none, rank 0's are)
-    COMMITTED = "committed"
-    FAILED = "failed"
+    COPYING = "copying"  # ``copied`` pending: the private copies come off the device
+    WRITING = "writing"  # ``copied`` done, ``committed`` pending: shares written, rank 0 commits, the others wait
+    COMMITTED = "committed"  # ``committed`` holds the commit (on ranks other than 0: rank 0's word that it did)
+    FAILED = "failed"  # either future holds a failure
+
+    @property
+    def settled(self) -> bool:
+        """Nothing more will happen to the write: it is committed or failed."""
+        return self in (WriteState.COMMITTED, WriteState.FAILED)
+
+
+def _state_of(copied: concurrent.futures.Future, committed: concurrent.futures.Future) -> WriteState:
+    """The state two futures say (``copied`` resolves first, ``committed`` after it; each once)."""
+    if any(f.done() and f.exception() is not None for f in (copied, committed)):
+        return WriteState.FAILED
+    if committed.done():
+        return WriteState.COMMITTED
+    return WriteState.WRITING if copied.done() else WriteState.COPYING
+
+
+class _Step(concurrent.futures.Future):
+    """A step of a write: a future whose ``wait(timeout)`` says whether it is done, as ``Event.wait`` does."""
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return bool(concurrent.futures.wait([self], timeout).done)
+
+    def settle(self, result: Any, error: BaseException | None) -> None:
+        if error is not None:
+            self.set_exception(error)
+        else:
+            self.set_result(result)
 
 
 class _Write:
-    """One write on this rank: its threads, its state and its outcome."""
+    """One write on this rank: its two futures (its state), its threads, and the call's return (an input)."""
 
     def __init__(self, request: WriteRequest, channel: JobChannel, *, writes_here: bool, writers: int) -> None:
         self.request = request
         self.channel = channel
         self.writes_here = writes_here
         self.writers = writers
-        self.filled = threading.Event()
-        self.device_done = threading.Event()
-        self.finished = threading.Event()
+        self.copied = _Step()  # None once the private copies are off the device, or the error making them
+        self.committed = _Step()  # rank 0's Commit (None on other ranks once rank 0 said so), or the failure
         self.returned = threading.Event()  # the Trainer call that started the write has returned
-        self.error: BaseException | None = None
-        self.commit: Commit | None = None
-        self.threads: list[threading.Thread] = []
+        self.threads: list[_WriteThread] = []  # the device work's, then the writing's
 
     @property
     def uri(self) -> str:
@@ -99,13 +126,14 @@ class _Write:
 
     @property
     def state(self) -> WriteState:
-        """Read from what the threads have done, never set apart from it. Committed is rank 0's word: another
-        rank's write is writing until it joins rank 0's outcome."""
-        if self.error is not None:
-            return WriteState.FAILED
-        if self.commit is not None:
-            return WriteState.COMMITTED
-        return WriteState.WRITING if self.filled.is_set() or not self.writes_here else WriteState.COPYING
+        """Read from the futures, never set apart from them. Committed is rank 0's word: another rank's write
+        is writing until it has read that word."""
+        return _state_of(self.copied, self.committed)
+
+    @property
+    def finished(self) -> _Step:
+        """The outcome is known on this rank (``finished.wait(timeout)``: the name test scripts peek at)."""
+        return self.committed
 
 
 class HandoffWriter:
@@ -167,24 +195,22 @@ class HandoffWriter:
         write = _Write(request, channel, writes_here=self.rank < self.writers, writers=self.writers)
         self._write = write
         self._register_exit_hook()
-        _WriteThread(f"stagesafe-handoff-device {request.uri}", self._device_work, write, self).start()
-        if write.writes_here:
-            _WriteThread(f"stagesafe-handoff-write {request.uri}", self._write_shards, write, self).start()
-        else:  # rank 0 writes it; this rank only joins
-            write.finished.set()
+        _WriteThread(f"stagesafe-handoff-device {request.uri}", self._copy, write, self).start()
+        _WriteThread(f"stagesafe-handoff-write {request.uri}", self._write_and_settle, write, self).start()
 
-    def _device_work(self, write: _Write) -> None:
-        """The private copies off the device, then, once the call has returned, unlocking host memory."""
+    def _copy(self, write: _Write) -> None:
+        """The device thread: the private copies off the device (resolves ``copied``), then, once the call has
+        returned, unlocking host memory."""
         request = write.request
         try:
             start = time.perf_counter()
             if request.fill is not None:
                 request.fill()
             request.phases["handoff_write_private_copy"] = time.perf_counter() - start
-        except BaseException as exc:  # noqa: BLE001 - the write fails with it; the unlock still runs
-            write.error = exc
-        finally:
-            write.filled.set()
+        except BaseException as exc:  # noqa: BLE001 - a thread reports what ended it, an interrupt too
+            write.copied.set_exception(exc)  # the write fails with it; the unlock still runs
+        else:
+            write.copied.set_result(None)
         if request.unlock is not None:
             write.returned.wait()
         try:
@@ -192,46 +218,69 @@ class HandoffWriter:
             if request.unlock is not None:
                 request.unlock()
             request.phases["handoff_write_unlock"] = time.perf_counter() - start
-        except BaseException as exc:  # noqa: BLE001 - only speed is at stake: the memory stays usable
+        except Exception as exc:  # noqa: BLE001 - only speed is at stake: the memory stays usable
             log.warning("stagesafe: could not unlock page-locked host memory (%s)", exc)
-        finally:
-            write.device_done.set()
 
-    def _write_shards(self, write: _Write) -> None:
-        request = write.request
-        start = time.perf_counter()
+    def _write_and_settle(self, write: _Write) -> None:
+        """The write thread: this rank's share of the shards, then the outcome (resolves ``committed``): rank 0
+        commits and posts it, every other rank reads rank 0's word. Then the replaced handoff's files go."""
+        request, start = write.request, time.perf_counter()
+        commit: Commit | None = None
+        error: BaseException | None = None
         try:
-            write.filled.wait()
-            if write.error is not None:
-                raise write.error
-            write.commit = write_share(
-                request.values,
-                request.uri,
-                request.storage_options,
-                max_shard_size=request.max_shard_size,
-                channel=write.channel,
-                writers=write.writers,
-                metadata=request.metadata,
-            )
-        except BaseException as exc:  # noqa: BLE001 - the joiner raises it
-            write.error = exc
-        finally:
-            request.phases["handoff_write"] = time.perf_counter() - start
-        if self.rank == 0:  # the commit's outcome, for every rank
-            write.channel.post("outcome", "ok" if write.error is None else f"failed: {describe(write.error)}")
-        if write.commit is not None and self._on_commit is not None:
+            write.copied.result()  # the private copies' failure is the write's
+            if write.writes_here:
+                commit = write_share(
+                    request.values,
+                    request.uri,
+                    request.storage_options,
+                    max_shard_size=request.max_shard_size,
+                    channel=write.channel,
+                    writers=write.writers,
+                    metadata=request.metadata,
+                )
+        except BaseException as exc:  # noqa: BLE001 - a thread reports what ended it, an interrupt too
+            error = exc  # the joiners raise it
+        request.phases["handoff_write"] = time.perf_counter() - start
+        if self.rank == 0:
+            write.committed.settle(commit, error)
+            write.channel.post_outcome("outcome", Outcome.of(error))  # the commit's outcome, for every rank
+        else:
+            write.committed.settle(None, self._rank_zeros_word(write, error))
+        if commit is not None:
+            self._after_commit(write, commit, start)
+
+    def _rank_zeros_word(self, write: _Write, error: BaseException | None) -> BaseException | None:
+        """On a rank other than 0: wait (bounded) for rank 0's outcome, also after this rank's own ``error``,
+        which says most; returns the write's failure on this rank, or None when rank 0 committed."""
+        what = f"writing the handoff {write.uri!r}"
+        try:
+            write.channel.wait(["outcome"], what=f"{what}: rank 0's commit")
+            word = write.channel.outcome("outcome")
+        except Exception as exc:  # noqa: BLE001 - rank 0 gone or the store unreachable: the write failed here
+            return exc
+        if error is not None or word.ok:
+            return error
+        return DistributedStageError(
+            f"{what} failed on rank 0 ({quoted(word.error)}); nothing was committed: the handoff there before, "
+            "if any, is unchanged",
+            failures={0: quoted(word.error)},
+        )
+
+    def _after_commit(self, write: _Write, commit: Commit, start: float) -> None:
+        """Rank 0, committed: say so, then delete the replaced handoff's files."""
+        request = write.request
+        if self._on_commit is not None:
             try:
-                self._on_commit(request.uri, write.commit, time.perf_counter() - start)
+                self._on_commit(request.uri, commit, time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001 - only a message is at stake
                 log.warning("stagesafe: could not report the commit of %s (%s)", request.uri, exc)
-        if write.commit is not None:  # committed: now the replaced handoff's files may go
-            removing = time.perf_counter()
-            try:
-                remove_replaced(*resolve(request.uri, dict(request.storage_options or {})), write.commit)
-            except Exception as exc:  # noqa: BLE001 - committed: leftovers go with a later save
-                log.warning("stagesafe: could not delete the replaced handoff's files (%s)", exc)
-            request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
-        write.finished.set()
+        removing = time.perf_counter()
+        try:
+            remove_replaced(*resolve(request.uri, dict(request.storage_options or {})), commit)
+        except Exception as exc:  # noqa: BLE001 - committed: leftovers go with a later save
+            log.warning("stagesafe: could not delete the replaced handoff's files (%s)", exc)
+        request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
 
     def write_alone(self, write: Callable[[], None], uri: str) -> None:
         """After a Trainer call that failed on some rank, when no rank may wait for another inside the call
@@ -245,13 +294,15 @@ class HandoffWriter:
         if self.rank != 0:
             self._alone = (channel, uri)
             return
+        outcome = Outcome(error="interrupted")  # what the others read if an interrupt cuts the write short
         try:
             write()
-            outcome = "ok"
-        except BaseException as exc:  # noqa: BLE001 - the stage's own failure is raised; this one is logged
+            outcome = Outcome()
+        except Exception as exc:  # noqa: BLE001 - the stage's own failure is raised; this one is logged
             log.error("stagesafe: could not write the handoff %s after the stage failed: %s", uri, exc)
-            outcome = f"failed: {describe(exc)}"
-        channel.post("outcome", outcome)
+            outcome = Outcome.of(exc)
+        finally:
+            channel.post_outcome("outcome", outcome)
 
     def _wait_for_alone(self) -> None:
         """Wait for rank 0's word on its lone write (it first leaves a collective that may last the timeout)."""
@@ -261,10 +312,10 @@ class HandoffWriter:
         channel, uri = alone
         channel.wait(["outcome"], what=f"rank 0's write of the handoff {uri!r} after the failed call",
                      timeout=2 * self.timeout)
-        outcome = channel.get("outcome")
-        if outcome != "ok":
+        outcome = channel.outcome("outcome")
+        if not outcome.ok:
             log.error("stagesafe: rank 0 could not write the handoff %s after the stage failed: %s", uri,
-                      quoted(outcome.removeprefix("failed: ")))
+                      quoted(outcome.error or ""))
 
     # -- joining ------------------------------------------------------------------------------------------
     def call_returned(self) -> None:
@@ -278,7 +329,7 @@ class HandoffWriter:
         if write is None:
             return
         write.returned.set()  # whoever waits has returned from the call
-        _wait_event(write.device_done, self.timeout, f"the handoff write's device work ({write.uri})")
+        _bounded(write.threads[0].wait, self.timeout, f"the handoff write's device work ({write.uri})")
 
     def check(self, what: str) -> None:
         """At a Trainer call's entry: raise, on every rank, a failure of the last write already known; leave
@@ -288,56 +339,49 @@ class HandoffWriter:
             return
         write.returned.set()
         if self.rank == 0:
-            word = {WriteState.COMMITTED: "ok", WriteState.FAILED: "failed"}.get(write.state, "running")
-            write.channel.post("check", word)
+            write.channel.post("check", write.state.value)
         write.channel.wait(["check"], what=f"{what}: rank 0's word on the last handoff write")
-        if write.channel.get("check") != "running":
+        if WriteState(write.channel.get("check")).settled:
             self.join()
 
     def finish_threads(self, write: _Write) -> None:
-        """Let ``write``'s threads end (local, bounded by the timeout) and join them; its outcome stays for
-        :meth:`join`, which raises a failure where the strategy always raises it."""
+        """Let ``write``'s threads end (local, bounded by the timeout) and join them; its outcome stays in
+        ``write.committed`` for :meth:`join`, which raises a failure where the strategy always raises it."""
         write.returned.set()
         what = f"writing the handoff {write.uri!r}"
-        _wait_event(write.device_done, self.timeout, f"{what}: the device work")
-        _wait_event(write.finished, 2 * self.timeout, what)
-        for thread in write.threads:
-            if thread is not threading.current_thread():
-                thread.join(self.timeout)
+        device, writing = write.threads
+        _bounded(device.wait, self.timeout, f"{what}: the device work")
+        # the thread bounds its own waits for other ranks by the timeout: give it that and as long to write,
+        # on the other ranks as long again for rank 0's word; then as long to delete the files it replaced
+        _bounded(write.committed.wait, (2 if self.rank == 0 else 3) * self.timeout, what)
+        _bounded(writing.wait, self.timeout, f"{what}: deleting the files it replaced")
 
     def join(self) -> Commit | None:
         """Block until the write is committed or failed (every rank calls this); raise a failure on every
-        rank. Returns rank 0's :class:`Commit`."""
+        rank (this rank's own, else rank 0's as :class:`DistributedStageError`). Returns rank 0's
+        :class:`Commit`."""
         self._wait_for_alone()
         write, self._write = self._write, None
         if write is None:
             return None
-        write.returned.set()
-        what = f"writing the handoff {write.uri!r}"
-        _wait_event(write.device_done, self.timeout, f"{what}: the device work")
-        # the thread bounds its own waits for other ranks by the timeout: give it that, and as long to write
-        _wait_event(write.finished, 2 * self.timeout, what)
+        self.finish_threads(write)
         try:
-            write.channel.wait(["outcome"], what=f"{what}: rank 0's commit")
-            outcome = write.channel.get("outcome")
-            if write.error is not None:
-                raise write.error  # this rank's own failure says most
-            if outcome != "ok":
-                raise DistributedStageError(
-                    f"{what} failed on rank 0 ({quoted(outcome.removeprefix('failed: '))}); nothing was committed: "
-                    "the handoff there before, if any, is unchanged"
-                )
-        except BaseException:
-            if write.request.on_failed is not None:
+            return write.committed.result(timeout=0)
+        except BaseException:  # noqa: BLE001 - re-raised; after an interrupt too the handoff may never hold
+            if write.request.on_failed is not None:  # these weights: on_failed forgets that it does
                 write.request.on_failed()
             raise
-        return write.commit
 
     # -- exit ---------------------------------------------------------------------------------------------
     def _register_exit_hook(self) -> None:
         if self._exit_hook:
             return
         self._exit_hook = True
+        # A private hook, kept on purpose: threading's exit hooks run, last registered first, before the
+        # interpreter joins its threads and before the ``atexit`` ones, and concurrent.futures registers one
+        # at import (imported above, so ours runs first) that stops every executor from taking work. The
+        # write must finish before that: s3fs runs its calls on asyncio's default executor. ``atexit``, the
+        # public hook, runs too late.
         threading._register_atexit(functools.partial(_join_at_exit, weakref.ref(self)))
 
     def join_at_exit(self) -> None:
@@ -347,12 +391,10 @@ class HandoffWriter:
         write = self._write
         if write is None:
             return
-        error: BaseException | None = None
+        error: Exception | None = None
         try:
             self.join()
-        except KeyboardInterrupt:
-            raise
-        except BaseException as exc:  # noqa: BLE001 - raised once the others have read the outcome
+        except Exception as exc:  # noqa: BLE001 - raised once the others have read the outcome
             error = exc
         try:
             write.channel.post(f"left/{self.rank}", "")
@@ -366,7 +408,7 @@ class HandoffWriter:
 
 
 def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
-    """Before threading's and concurrent.futures' own exit hooks: finish the write, or fail the process."""
+    """Before concurrent.futures' own exit hook: finish the write, or fail the process."""
     writer = ref()
     if writer is None or not writer.pending:
         return
@@ -380,7 +422,7 @@ def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
     except KeyboardInterrupt:
         message = f"interrupted while the handoff {uri!r} was being written; {_committed_or_not(write)}"
         status = 130
-    except BaseException as exc:  # noqa: BLE001 - the process must not end as if all went well
+    except Exception as exc:  # noqa: BLE001 - the process must not end as if all went well
         message, status = f"the handoff write to {uri!r} failed as the interpreter exited: {describe(exc)}", 1
     log.error("stagesafe: rank %d: %s; the process exits with status %d", writer.rank, message, status)
     for stream in (sys.stdout, sys.stderr):
@@ -399,6 +441,13 @@ class _WriteThread(threading.Thread):
         super().__init__(target=target, args=(write,), name=name, daemon=True)
         self._write, self._writer = write, writer
         write.threads.append(self)
+
+    def wait(self, timeout: float) -> bool:
+        """Join this thread for at most ``timeout`` seconds; whether it has ended (a thread cannot wait for
+        itself: it is then as good as ended)."""
+        if self is not threading.current_thread():
+            self.join(timeout)
+        return not self.is_alive() or self is threading.current_thread()
 
     def stop(self) -> None:
         self._writer.finish_threads(self._write)
@@ -422,10 +471,10 @@ def _committed_or_not(write: _Write | None) -> str:
     return "it was not committed: the handoff there holds an earlier write's weights, unchanged"
 
 
-def _wait_event(event: threading.Event, timeout: float, what: str) -> None:
-    if not event.wait(timeout):
+def _bounded(wait: Callable[[float], bool], timeout: float, what: str) -> None:
+    """``wait(timeout)``, which says whether what it waits for is done; raise if it is not."""
+    if not wait(timeout):
         raise DistributedStageError(
             f"{what}: not done after {timeout:.0f} s on this rank; storage may be hanging. The committed handoff, "
             "if any, is unchanged by it"
         )
-
