@@ -130,11 +130,6 @@ class _Write:
         is writing until it has read that word."""
         return _state_of(self.copied, self.committed)
 
-    @property
-    def finished(self) -> _Step:
-        """The outcome is known on this rank (``finished.wait(timeout)``: the name test scripts peek at)."""
-        return self.committed
-
 
 class HandoffWriter:
     """Writes a strategy's handoffs in the background, one at a time, and joins them on every rank.
