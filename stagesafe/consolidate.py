@@ -222,8 +222,7 @@ def _check_destination(fs: Any, root: str, overwrite: bool) -> bool:
     if fs.isfile(root):
         raise HandoffExistsError(f"destination {url_of(fs, root)!r} is a file; give a folder (it is created if missing)")
     if not overwrite:
-        fs.invalidate_cache(root)
-        refuse_existing_handoff(fs, root)
+        refuse_existing_handoff(fs, root)  # lists the folder afresh, past fsspec's listing cache
     return not fs.exists(root)
 
 
