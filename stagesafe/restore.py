@@ -12,7 +12,7 @@ from torch import nn
 
 from stagesafe.zero import engine as _zero
 from stagesafe.errors import StateDictMismatchError
-from stagesafe.handoff.store import load_state_dict
+from stagesafe.handoff.read import load_state_dict
 
 __all__ = ["restore", "load_for", "check_fits", "assign_values"]
 
@@ -88,7 +88,7 @@ def load_for(
 ) -> dict[str, torch.Tensor]:
     """The handoff's tensors, checked to fit ``module`` and placed as it holds its own (dtype, device); the
     module itself is not touched, so a caller can check every rank before any of them changes. ``progress``:
-    as :func:`~stagesafe.handoff.store.load_state_dict`'s."""
+    as :func:`~stagesafe.handoff.read.load_state_dict`'s."""
     values = load_state_dict(uri, storage_options=storage_options, progress=progress)
     check_fits(module, values)
     current = dict(module.named_parameters(remove_duplicate=False))

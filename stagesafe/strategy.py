@@ -150,7 +150,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         module = self.lightning_module
         fresh = module is not None and history_of(module) is None
         if self.resume_from is not None and fresh and not _ranks_can_agree():
-            from stagesafe.handoff.store import read_manifest
+            from stagesafe.handoff.read import read_manifest
 
             read_manifest(self.resume_from, storage_options=self.storage_options or None)
         super().setup_environment()
@@ -440,7 +440,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                     f"the handoff {history.target.uri!r} that holds the module's weights is still being written: call "
                     "strategy.wait_for_handoff() on every rank before trainer.save_checkpoint(...)"
                 )
-        from stagesafe.handoff.store import load_state_dict
+        from stagesafe.handoff.read import load_state_dict
 
         return load_state_dict(history.target.uri, storage_options=history.target.storage_options)
 

@@ -385,7 +385,7 @@ def check_handoff(workdir: str, state_dict: dict[str, torch.Tensor], damage: Cal
     from safetensors import deserialize
 
     from stagesafe import load_state_dict, read_manifest, save_state_dict, verify
-    from stagesafe.handoff.store import HandoffReader
+    from stagesafe.handoff.read import HandoffReader
 
     root, other = os.path.join(workdir, "h"), os.path.join(workdir, "other")
     save_state_dict(state_dict, root, max_shard_size=16)

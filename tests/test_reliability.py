@@ -37,7 +37,8 @@ from stagesafe.errors import (
     StorageTransferError,
 )
 from stagesafe.handoff.manifest import manifest_checksum
-from stagesafe.handoff.store import ORPHAN_AGE, RetryPolicy
+from stagesafe.handoff.cleanup import ORPHAN_AGE
+from stagesafe.handoff.retry import RetryPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

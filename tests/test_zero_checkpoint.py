@@ -26,7 +26,8 @@ from stagesafe.consolidate import (
 )
 from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, UnsafeCheckpointError
 from stagesafe.handoff.digest import DEFAULT
-from stagesafe.handoff.store import load_state_dict, verify
+from stagesafe.handoff.read import load_state_dict
+from stagesafe.handoff.verify import verify
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.zero.rank_file import RankFile
 
@@ -377,7 +378,7 @@ def test_consolidate_to_memory_url(ckpts):
 
 
 def test_failed_consolidate_leaves_nothing(ckpts, tmp_path, monkeypatch):
-    from stagesafe.handoff import store
+    from stagesafe.handoff import shards
 
     calls = []
 
@@ -387,8 +388,8 @@ def test_failed_consolidate_leaves_nothing(ckpts, tmp_path, monkeypatch):
             raise OSError("disk full (simulated)")
         return real(fs, root, file_name, tensors, **options)
 
-    real = store.write_shard
-    monkeypatch.setattr(store, "write_shard", failing_write_shard)
+    real = shards.write_shard
+    monkeypatch.setattr(shards, "write_shard", failing_write_shard)
     dst = tmp_path / "out"
     with pytest.raises(OSError, match="simulated"):
         consolidate(ckpts["s3"]["path"], str(dst), max_shard_size=1024)

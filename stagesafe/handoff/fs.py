@@ -132,7 +132,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
         try:
             for chunk in chunks:
                 f.write(chunk)
-        except BaseException:
+        except BaseException:  # Ctrl+C too: an upload cut short must be aborted, never completed
             with contextlib.suppress(Exception):
                 f.discard()  # s3fs: abort the multipart upload instead of completing it
             # Even when the abort fails (store down), the file must never be closed later: fsspec's __del__
@@ -156,7 +156,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # Ctrl+C too: no temporary file is left behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise

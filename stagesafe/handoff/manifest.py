@@ -11,7 +11,7 @@ import hashlib
 import json
 import re
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
 
@@ -269,6 +269,15 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     def bad(what: str) -> HandoffCorruptError:
         return HandoffCorruptError(f"{source}: {what}; the handoff cannot be trusted, write it again")
 
+    fmt = _checked_fields(manifest, source, bad)
+    digest = _checked_digest(manifest, fmt, source, bad)
+    _check_tables(manifest, digest, bad)
+    return manifest
+
+
+def _checked_fields(manifest: Any, source: str, bad: Callable[[str], HandoffCorruptError]) -> str:
+    """The manifest's format, once it is one this stagesafe reads, every field is there with its JSON type,
+    and its checksum matches its content."""
     if not isinstance(manifest, dict):
         raise bad(f"the manifest is a JSON {type(manifest).__name__}, not an object")
     fmt = manifest.get("format")
@@ -297,7 +306,12 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
         raise bad("it holds JSON nested too deeply") from None
     if manifest.get("checksum") != checksum:
         raise bad("the manifest's 'checksum' does not match its content (changed after it was written)")
-    digest = _checked_digest(manifest, fmt, source, bad)
+    return fmt
+
+
+def _check_tables(manifest: Mapping[str, Any], digest: str, bad: Callable[[str], HandoffCorruptError]) -> None:
+    """The shards, weight map, aliases and tensors agree: every stored name in a listed shard, every alias
+    pointing to a stored name, every name described with a dtype and shape safetensors stores."""
     shards, weight_map, tensors, aliases = (manifest[k] for k in ("shards", "weight_map", "tensors", "aliases"))
     for file, rec in shards.items():
         if not is_shard_name(file):
@@ -335,7 +349,6 @@ def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
             f"'tensors' and 'weight_map'+'aliases' disagree: only in 'tensors': {shown(extra[:5])}, "
             f"only in the maps: {shown(missing[:5])}"
         )
-    return manifest
 
 
 def _checked_digest(manifest: Mapping[str, Any], fmt: str, source: str, bad: Any) -> str:

@@ -22,7 +22,9 @@ import torch
 from torch import nn
 
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, StaleDeepSpeedStateError
-from stagesafe.handoff.store import HandoffReader, check_present, plan_handoff, save_state_dict, save_streamed
+from stagesafe.handoff.plan import plan_handoff
+from stagesafe.handoff.read import HandoffReader, check_present
+from stagesafe.handoff.save import save_state_dict, save_streamed
 from stagesafe.stages import collectives
 from stagesafe.stages.history import (
     HandoffTarget,

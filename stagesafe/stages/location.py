@@ -17,7 +17,7 @@ import torch.distributed as torch_dist
 
 from stagesafe.handoff.fs import join, resolve, url_of
 from stagesafe.handoff.manifest import MANIFEST_NAME, temp_name
-from stagesafe.handoff.store import read_small, remove_file, write_probe
+from stagesafe.handoff.folder import read_small, remove_file, write_probe
 from stagesafe.stages import collectives
 from stagesafe.stages.history import HandoffTarget
 

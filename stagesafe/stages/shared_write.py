@@ -19,16 +19,10 @@ import torch
 from stagesafe.errors import StorageTransferError
 from stagesafe.handoff.fs import resolve, url_of
 from stagesafe.handoff.manifest import check_metadata, tag_for
-from stagesafe.handoff.store import (
-    Commit,
-    HandoffPlan,
-    ShardRecord,
-    commit_handoff,
-    delete_shards,
-    plan_handoff,
-    plan_specs,
-    write_shards,
-)
+from stagesafe.handoff.cleanup import delete_shards
+from stagesafe.handoff.commit import Commit, commit_handoff
+from stagesafe.handoff.plan import HandoffPlan, plan_handoff, plan_specs
+from stagesafe.handoff.shards import ShardRecord, write_shards
 from stagesafe.stages.channel import JobChannel, Outcome, failures
 
 __all__ = ["owners", "names_written_by", "write_share"]
@@ -55,7 +49,7 @@ def names_written_by(
     writers: int,
 ) -> set[str]:
     """The names whose shards ``rank`` will write, for a state dict known by ``specs`` and tied ``aliases``
-    (as :func:`~stagesafe.handoff.store.plan_specs` takes them): the shards are those the write plans."""
+    (as :func:`~stagesafe.handoff.plan.plan_specs` takes them): the shards are those the write plans."""
     if rank >= writers:
         return set()
     plan = plan_specs(specs, aliases, max_shard_size=max_shard_size)

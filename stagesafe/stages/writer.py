@@ -42,7 +42,8 @@ from stagesafe.errors import DistributedStageError, HandoffNotFoundError
 from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.manifest import tag_for
 from stagesafe.handoff.retry import RetryPolicy
-from stagesafe.handoff.store import Commit, read_manifest, remove_replaced
+from stagesafe.handoff.commit import Commit, remove_replaced
+from stagesafe.handoff.read import read_manifest
 from stagesafe.stages.channel import JobChannel, Outcome, describe, quoted
 from stagesafe.stages.shared_write import write_share
 

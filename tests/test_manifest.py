@@ -32,7 +32,7 @@ from stagesafe.handoff.manifest import (
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 
 
-@pytest.mark.parametrize("module", [stagesafe.handoff.manifest, stagesafe.handoff.codec], ids=["plan", "codec"])
+@pytest.mark.parametrize("module", [stagesafe.handoff.manifest, stagesafe.handoff.codec], ids=["manifest", "codec"])
 def test_pure_module_imports_neither_torch_nor_fsspec(module):
     # Read the source rather than sys.modules: the package's __init__ may import torch for its own reasons.
     tree = ast.parse(pathlib.Path(module.__file__).read_text())
