@@ -17,6 +17,7 @@ import pytest
 import torch
 from _hostile import opened_files, outside, run_python, write_zero_checkpoint
 from _launch import zero_checkpoints
+from _tensors import assert_bitwise_equal
 
 from stagesafe.consolidate import (
     consolidate,
@@ -55,11 +56,8 @@ def copy_checkpoint(src: str, dst) -> str:
 
 
 def assert_bit_equal(ours: dict, ref: dict) -> None:
-    for name, expected in ref.items():
-        got = ours[name]
-        assert got.dtype == expected.dtype, name
-        assert got.shape == expected.shape, name
-        assert torch.equal(got, expected), name
+    """Every tensor of ``ref`` is in ``ours``, bit for bit (``ours`` may hold more: stage 1's frozen parameters)."""
+    assert_bitwise_equal({name: ours[name] for name in ref}, ref)
 
 
 # -- the values ------------------------------------------------------------------------------------------------
@@ -244,19 +242,6 @@ def test_without_latest_asks_for_a_tag(ckpts, tmp_path):
     with pytest.raises(CheckpointFormatError, match=r"no 'latest' file.*--tag.*\['global_step2'\]"):
         open_zero_checkpoint(path)
     assert set(load_zero_checkpoint(path, tag="global_step2")) >= {"embed.weight"}
-
-
-def test_not_a_checkpoint_says_what_was_expected(tmp_path):
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(
-        CheckpointFormatError, match=r"is not a DeepSpeed checkpoint: expected a folder with a 'latest'"
-    ):
-        open_zero_checkpoint(str(tmp_path / "empty"))
-    with pytest.raises(CheckpointFormatError, match="does not exist"):
-        open_zero_checkpoint(str(tmp_path / "nowhere"))
-    (tmp_path / "weights.ckpt").write_bytes(b"x")
-    with pytest.raises(CheckpointFormatError, match="is a file, not a DeepSpeed checkpoint folder"):
-        open_zero_checkpoint(str(tmp_path / "weights.ckpt"))
 
 
 def test_parent_folder_suggests_its_checkpoints(ckpts):
