@@ -24,6 +24,7 @@ __all__ = [
     "DistributedStageError",
     "EngineReleasedError",
     "clip",
+    "describe",
     "shown",
 ]
 
@@ -104,3 +105,8 @@ def _distributed_stage_error(message: str, failures: dict[int, str]) -> Distribu
 class EngineReleasedError(StageSafeError, RuntimeError):
     """The DeepSpeed engine was asked for after the Trainer call that built it returned: stagesafe destroys it
     there, and the module, its handoff and ``trainer.save_checkpoint`` hold what it held."""
+
+
+def describe(exc: BaseException) -> str:
+    """What a rank reports of its failure to the other ranks (a ``failures`` value): the error's type and message."""
+    return f"{type(exc).__name__}: {exc}"

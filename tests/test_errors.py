@@ -27,3 +27,8 @@ def test_a_distributed_failure_carries_each_failed_rank_as_data_through_pickling
     with pytest.raises(RuntimeError):
         raise again
     assert errors.DistributedStageError("no answer").failures == {}
+
+
+def test_what_a_failed_rank_reports_is_its_errors_type_and_message():
+    assert errors.describe(OSError("disk full on rank 1")) == "OSError: disk full on rank 1"
+    assert errors.describe(KeyboardInterrupt()) == "KeyboardInterrupt: "

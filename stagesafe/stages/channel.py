@@ -17,9 +17,9 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from stagesafe.errors import DistributedStageError
+from stagesafe.errors import DistributedStageError, describe
 
-__all__ = ["JobChannel", "Outcome", "Ending", "agree_on_ending", "describe", "quoted", "failures"]
+__all__ = ["JobChannel", "Outcome", "Ending", "agree_on_ending", "quoted", "failures"]
 
 _POLL_FIRST = 0.002  # seconds between looks at the store, growing to _POLL_MAX
 _POLL_MAX = 0.05
@@ -118,14 +118,10 @@ def quoted(value: str) -> str:
     return value if len(value) <= _MAX_SHOWN else value[:_MAX_SHOWN] + "..."
 
 
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
-
-
 @dataclass(frozen=True)
 class Outcome:
     """How one rank's part of a step ended, as the ranks post it: ``error`` is the failure's text
-    (:func:`describe`), None where it went well; ``value`` is what a rank that succeeded reports (JSON data).
+    (:func:`stagesafe.errors.describe`), None where it went well; ``value`` is what a rank that succeeded reports (JSON data).
 
     On the store it is JSON, ``{"status": "ok", "value": ...}`` or ``{"status": "failed", "error": "..."}``:
     :meth:`encode` and :meth:`decode` are the one encoding of every outcome a rank posts.

@@ -23,7 +23,9 @@ from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE
 if TYPE_CHECKING:
     from stagesafe.stages.writer import HandoffWriter
 
-__all__ = ["HandoffTarget", "KeptTraining", "ModuleHistory", "history_of", "state_tensors", "fingerprint"]
+__all__ = [
+    "HandoffTarget", "KeptTraining", "ModuleHistory", "history_of", "new_history", "state_tensors", "fingerprint",
+]
 
 Fingerprint = dict[str, tuple[int, int]]
 
@@ -112,15 +114,18 @@ _HISTORY: "weakref.WeakKeyDictionary[nn.Module, ModuleHistory]" = weakref.WeakKe
 
 
 def history_of(module: nn.Module) -> ModuleHistory | None:
+    """The module's history, or None before its first stage under stagesafe."""
     return _HISTORY.get(module)
 
 
 def new_history(module: nn.Module) -> ModuleHistory:
+    """A fresh history for ``module``, kept as long as the module lives (weakly: it never keeps one alive)."""
     history = _HISTORY[module] = ModuleHistory(original={})
     return history
 
 
 def state_tensors(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The module's state-dict tensors, detached (tied names share one tensor's storage)."""
     return {name: t.detach() for name, t in module.state_dict(keep_vars=True).items() if isinstance(t, torch.Tensor)}
 
 

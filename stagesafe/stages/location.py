@@ -13,8 +13,6 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-import torch.distributed as torch_dist
-
 from stagesafe.handoff.fs import join, resolve, url_of
 from stagesafe.handoff.manifest import MANIFEST_NAME, temp_name
 from stagesafe.handoff.folder import read_small, remove_file, write_probe
@@ -34,22 +32,31 @@ class Location:
 
 
 def agree_on_location(target: HandoffTarget) -> Location:
-    """Check that rank 0 can write the handoff folder and which ranks see it (collectives: every rank calls
-    this at the same point, before any engine is built)."""
-    token = secrets.token_hex(8)
-    fs, root = resolve(target.uri, dict(target.storage_options or {}))
-    probe = temp_name(MANIFEST_NAME, token)  # a name the store's own cleanup removes, should it be left behind
-    collectives.on_rank_zero(lambda: write_probe(fs, root, probe, token.encode()), f"writing to the handoff folder {target.uri}")
-    box = [token]
-    if collectives.world_size() > 1:
-        torch_dist.broadcast_object_list(box, src=0)
-    seen = read_small(fs, join(root, temp_name(MANIFEST_NAME, box[0])))
-    mine = (seen == box[0].encode(), url_of(fs, root))
-    everyone = [mine]
-    if collectives.world_size() > 1:
-        everyone = [None] * collectives.world_size()
-        torch_dist.all_gather_object(everyone, mine)  # every rank has looked: the token may go
-    if collectives.rank() == 0:
-        remove_file(fs, join(root, probe))
+    """Check that rank 0 can write the handoff folder and which ranks see it. Collectives: every rank calls
+    this at the same point, before any engine is built. Rank 0 failing to write its folder, or any rank to
+    open its own, is raised on every rank."""
+    options = dict(target.storage_options or {})
+
+    def write_token() -> str:
+        token = secrets.token_hex(8)
+        fs, root = resolve(target.uri, options)
+        write_probe(fs, root, _token_file(token), token.encode())
+        return token
+
+    def look(token: str) -> tuple[bool, str]:
+        fs, root = resolve(target.uri, options)
+        return read_small(fs, join(root, _token_file(token))) == token.encode(), url_of(fs, root)
+
+    token = collectives.on_rank_zero(write_token, f"writing to the handoff folder {target.uri}")
+    try:
+        everyone = collectives.gather_all(lambda: look(token), f"looking for rank 0's token in {target.uri}")
+    finally:
+        if collectives.rank() == 0:  # every rank has looked: the token may go
+            fs, root = resolve(target.uri, options)
+            remove_file(fs, join(root, _token_file(token)))
     writers = collectives.world_size() if all(sees for sees, _ in everyone) else 1
-    return Location(writer_id=box[0], writers=writers, folders=tuple(url for _, url in everyone))
+    return Location(writer_id=token, writers=writers, folders=tuple(url for _, url in everyone))
+
+
+def _token_file(token: str) -> str:
+    return temp_name(MANIFEST_NAME, token)  # a name the store's own cleanup removes, should it be left behind

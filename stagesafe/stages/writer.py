@@ -38,13 +38,13 @@ from typing import Any
 
 import torch
 
-from stagesafe.errors import DistributedStageError, HandoffNotFoundError
+from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
 from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.manifest import tag_for
 from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.handoff.commit import Commit, remove_replaced
 from stagesafe.handoff.read import read_manifest
-from stagesafe.stages.channel import JobChannel, Outcome, describe, quoted
+from stagesafe.stages.channel import JobChannel, Outcome, quoted
 from stagesafe.stages.shared_write import write_share
 
 __all__ = ["WriteRequest", "HandoffWriter", "WriteState"]
