@@ -22,7 +22,7 @@ from stagesafe.errors import (
     StorageTransferError,
 )
 from stagesafe.restore import assign_values
-from stagesafe.stages.boundary import StageBoundary
+from stagesafe.stages.boundary import StageBoundary, StageOptions
 from stagesafe.stages.channel import JobChannel
 from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.writer import HandoffWriter
@@ -40,7 +40,8 @@ def _writer() -> HandoffWriter:
 
 
 def _boundary(module: nn.Module, uri: str, writer: HandoffWriter, stage: str = "validate", **kwargs) -> StageBoundary:
-    return StageBoundary(module, HandoffTarget(uri=uri), stage, writer=writer, **kwargs)
+    options = StageOptions(stage, **{**kwargs, "fresh": frozenset(kwargs.get("fresh", ()))})
+    return StageBoundary(module, HandoffTarget(uri=uri), options, writer=writer)
 
 
 def _end(boundary: StageBoundary, engine=None, *, trained: bool = False, gather: bool = True, **kwargs):
@@ -70,7 +71,8 @@ def test_enter_refuses_a_module_with_stale_deepspeed_state_and_changes_nothing(t
     module, writer = _net(), _writer()
     module[0].weight.ds_id = 7  # what an earlier engine leaves on a parameter
     objects, values = _objects(module), _values(module)
-    with pytest.raises(StaleDeepSpeedStateError, match=r"parameter '0.weight' carries DeepSpeed attributes \['ds_id'\]"):
+    stale = r"parameter '0.weight' carries DeepSpeed attributes \['ds_id'\]"
+    with pytest.raises(StaleDeepSpeedStateError, match=stale):
         _boundary(module, str(tmp_path / "h"), writer).enter()
     assert history_of(module) is None and not writer.pending and not (tmp_path / "h").exists()
     assert _objects(module).keys() == objects.keys()
@@ -236,6 +238,7 @@ def test_in_meta_mode_the_module_holds_meta_tensors_and_the_next_engine_is_built
 def one_rank(tmp_path_factory):
     """A gloo process group of one rank, DeepSpeed on the CPU; both undone afterwards."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.utils import groups
 
     from stagesafe.cpu_strategy import use_deepspeed_cpu_accelerator
 
@@ -249,6 +252,7 @@ def one_rank(tmp_path_factory):
             yield
         finally:
             dist.destroy_process_group()
+            groups._WORLD_GROUP = None  # DeepSpeed's copy of this group: the next process group is another
             set_accelerator(before)
 
 
@@ -265,7 +269,8 @@ def _engine(module: nn.Module):
 @pytest.mark.slow
 @pytest.mark.parametrize("meta", [False, True], ids=["cpu", "meta"])
 def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(one_rank, tmp_path, meta):
-    module, writer, uri = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).to(torch.bfloat16)), _writer(), str(tmp_path / "h")
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).to(torch.bfloat16))
+    writer, uri = _writer(), str(tmp_path / "h")
     objects, values = _objects(module), _values(module)
     memory = {n: t.data_ptr() for n, t in objects.items() if t.dtype == torch.float32}
     boundary = _boundary(module, uri, writer, "fit", training=True, device=torch.device("cpu"), meta=meta,

@@ -27,7 +27,8 @@ def _sources(**facts: bool) -> tuple[WeightSource, ...]:
         # ... whose module holds meta tensors between stages: streamed to the handoff; a failed write keeps the
         # masters in the module (never the handoff, which does not hold them)
         ({"engine": True, "gather": True, "trained": True, "meta": True}, (STREAMED, MASTERS, ENTRY)),
-        ({"engine": True, "gather": True, "trained": True, "meta": True, "in_handoff": True}, (STREAMED, MASTERS, ENTRY)),
+        ({"engine": True, "gather": True, "trained": True, "meta": True, "in_handoff": True},
+         (STREAMED, MASTERS, ENTRY)),
         # an inference stage: the weights it started with; zero.Init's layers from the engine
         ({"engine": True, "gather": True}, (ENTRY,)),
         ({"engine": True, "gather": True, "built_here": True}, (BUILT, ENTRY)),

@@ -77,14 +77,22 @@ class BoundaryReport:
 
 @dataclass(frozen=True)
 class StageOptions:
-    """How one Trainer call's boundary runs, fixed for the call (the arguments of :class:`StageBoundary`)."""
+    """How one Trainer call's boundary runs, fixed for the call.
+
+    ``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
+    engine's partitions from the handoff, read one shard at a time. ``training``: the stage trains on
+    ``device``, so host memory for its end is prepared while it runs. ``fresh``: ids of the parameters (whose
+    values only the engine has) and floating buffers ``zero.Init`` built in this call. ``keep_optimizer_state``:
+    a training stage's end keeps this rank's files of DeepSpeed's checkpoint (``exclude_frozen``: without
+    frozen parameters, as ``save_checkpoint`` would).
+    """
 
     stage: str
-    meta: bool = False  # the module holds meta tensors between stages
-    materialize: Callable[[Mapping[str, torch.Tensor]], None] | None = None  # builds the engine's partitions
+    meta: bool = False
+    materialize: Callable[[Mapping[str, torch.Tensor]], None] | None = None
     training: bool = False
     device: torch.device | None = None
-    fresh: frozenset[int] = frozenset()  # ids of what zero.Init built in this call
+    fresh: frozenset[int] = frozenset()
     keep_optimizer_state: bool = True
     exclude_frozen: bool = False
 
@@ -126,42 +134,22 @@ class StageBoundary:
     """The life of one Trainer call's engine over ``module``; create one per call."""
 
     def __init__(
-        self,
-        module: nn.Module,
-        target: HandoffTarget,
-        stage: str,
-        *,
-        writer: HandoffWriter,
-        meta: bool = False,
-        materialize: Callable[[Mapping[str, torch.Tensor]], None] | None = None,
-        training: bool = False,
-        device: torch.device | None = None,
-        fresh: set[int] = frozenset(),
-        keep_optimizer_state: bool = True,
-        exclude_frozen: bool = False,
+        self, module: nn.Module, target: HandoffTarget, options: StageOptions, *, writer: HandoffWriter
     ) -> None:
-        """``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
-        engine's partitions from the handoff, read one shard at a time. ``training``: the stage trains on
-        ``device``, so host memory for its end is prepared while it runs. ``fresh``: ids of the parameters
-        (whose values only the engine has) and floating buffers ``zero.Init`` built in this call.
-        ``keep_optimizer_state``: a training stage's end keeps this rank's files of DeepSpeed's checkpoint
-        (``exclude_frozen``: without frozen parameters, as ``save_checkpoint`` would)."""
         self.module = module
         self.target = target
         self.writer = writer
-        self.options = StageOptions(
-            stage, meta=meta, materialize=materialize, training=training, device=device, fresh=frozenset(fresh),
-            keep_optimizer_state=keep_optimizer_state, exclude_frozen=exclude_frozen,
-        )
+        self.options = options
         self._memory = EndMemory(
-            device=device, max_shard_size=target.max_shard_size, writers=writer.writers, training=training,
-            keep_optimizer_state=keep_optimizer_state, exclude_frozen=exclude_frozen, stage=stage,
+            device=options.device, max_shard_size=target.max_shard_size, writers=writer.writers,
+            training=options.training, keep_optimizer_state=options.keep_optimizer_state,
+            exclude_frozen=options.exclude_frozen, stage=options.stage,
         )
         self._entry = _Entry()
         self._loaded: dict[str, torch.Tensor] | None = None  # a ckpt_path's weights, loaded during the stage
         self._meta_values: dict[str, torch.Tensor] | None = None  # what place_meta() gives the module
         self.history: ModuleHistory | None = None
-        self.report = BoundaryReport(stage=stage, uri=target.uri)
+        self.report = BoundaryReport(stage=options.stage, uri=target.uri)
         self._publisher = HandoffPublisher(module, target, writer, self._memory, self.report)
 
     # -- entering -------------------------------------------------------------------------------------------
@@ -297,7 +285,9 @@ class StageBoundary:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""
         self._memory.optimizer_stepped(engine)
 
-    def checkpoint_loaded(self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool) -> None:
+    def checkpoint_loaded(
+        self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
+    ) -> None:
         """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""
         zero_engine.load_values_into_engine(engine_module, values, set_masters=training)
         self._loaded = dict(values)
@@ -534,7 +524,9 @@ def _masters_in(values: Mapping[str, torch.Tensor], history: ModuleHistory) -> d
     return {n: v for n, v in values.items() if v.dtype != history.original[n][0]}
 
 
-def _meta_tensors(specs: Mapping[str, tuple[torch.Size, torch.dtype]], history: ModuleHistory) -> dict[str, torch.Tensor]:
+def _meta_tensors(
+    specs: Mapping[str, tuple[torch.Size, torch.dtype]], history: ModuleHistory
+) -> dict[str, torch.Tensor]:
     """Meta tensors of the module's full shapes, in its original dtypes."""
     return {
         name: torch.empty(shape, dtype=history.original[name][0], device="meta")
