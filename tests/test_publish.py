@@ -50,6 +50,21 @@ def test_a_background_write_reads_private_copies_of_what_the_user_could_change(t
     assert report.handoff_bytes == (9 + 3 + 1) * 4
 
 
+def test_tied_names_read_one_private_copy_and_stay_tied_in_the_handoff(tmp_path):
+    module, uri = _tied(), str(tmp_path / "h")
+    history = new_history(module)
+    history.note_names(state_tensors(module))
+    expected = {n: v.clone() for n, v in state_tensors(module).items()}
+    publisher, writer, report = _publisher(module, uri)
+    publisher.start(history, state_tensors(module), state_tensors(module), gathered=None, host=None, background=True)
+    with torch.no_grad():
+        module[0].weight.add_(1)  # changes both names: one tensor
+    writer.join()
+    assert_bitwise_equal(stagesafe.load_state_dict(uri), expected)
+    assert stagesafe.read_manifest(uri)["aliases"] == {"1.weight": "0.weight"}
+    assert report.copied_while_waiting == (9 + 3 + 1) * 4  # the tied weight once
+
+
 def test_a_foreground_write_reads_the_values_as_they_are(tmp_path):
     module, uri = _tied(), str(tmp_path / "h")
     history = new_history(module)

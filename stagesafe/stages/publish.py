@@ -126,17 +126,26 @@ class HandoffPublisher:
             mine = self._memory.plan_writes(plan.tensors, plan.aliases)
         copied = gathered.copied if gathered is not None else {}
         reachable = {t.data_ptr() for t in state_tensors(self._module).values() if t.numel()}
-        by_id: dict[int, torch.Tensor] = {}
+        copies: dict[tuple, torch.Tensor] = {}  # by the tensor's memory: tied names share one tensor, one copy
         private = dict(values)
         for name in mine:
             value = values.get(name)
             if value is None or (value.data_ptr() not in reachable and name not in copied):
                 continue  # a kept fp32 master: no user code can change it
-            if id(value) not in by_id:  # tied names share one tensor, and one copy
+            if _memory(value) not in copies:
                 if name in copied:
-                    by_id[id(value)] = copied[name]
+                    copies[_memory(value)] = copied[name]
                 else:
-                    by_id[id(value)] = value.clone()
+                    copies[_memory(value)] = value.clone()
                     self._report.copied_while_waiting += value.nbytes
-            private[name] = by_id[id(value)]
+            private[name] = copies[_memory(value)]
+        for name, value in values.items():  # a tied name (planned under its first one) reads the same copy
+            private[name] = copies.get(_memory(value), private[name])
         return private, (gathered.fill_copies if gathered is not None else None)
+
+
+def _memory(tensor: torch.Tensor) -> tuple:
+    """Which memory a tensor views: the same for every name of a tied parameter, whatever object holds it."""
+    if not tensor.numel():
+        return (id(tensor),)
+    return tensor.data_ptr(), tensor.dtype, tuple(tensor.shape), tensor.stride()
