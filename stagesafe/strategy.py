@@ -30,7 +30,7 @@ from stagesafe.errors import DistributedStageError, EngineReleasedError, Handoff
 from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
-from stagesafe.stages.boundary import BoundaryReport, StageBoundary
+from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.stages.history import HandoffTarget, KeptTraining, history_of, state_tensors
 from stagesafe.stages.location import Location, agree_on_location
@@ -110,22 +110,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             _check_local_handoff("resume_from", self.resume_from, self.storage_options)
         parse_size(max_shard_size)
         self.max_shard_size = max_shard_size
-        if between_stages not in _BETWEEN_STAGES:
-            raise InvalidArgumentError(
-                f"between_stages={between_stages!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)"
-            )
-        if between_stages == "meta" and isinstance(self.config, dict) and not self.zero_stage_3:
-            raise InvalidArgumentError(
-                "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
-                "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
-            )
+        known = isinstance(self.config, dict)  # a config file is read later
+        _check_between_stages(between_stages, zero_stage_3=bool(self.zero_stage_3) if known else None)
         self.between_stages = between_stages
-        if not isinstance(wait_for_write, bool):
-            raise TypeError(f"wait_for_write must be True or False, got {wait_for_write!r}")
-        self.wait_for_write = wait_for_write
-        if not isinstance(keep_optimizer_state, bool):
-            raise TypeError(f"keep_optimizer_state must be True or False, got {keep_optimizer_state!r}")
-        self.keep_optimizer_state = keep_optimizer_state
+        self.wait_for_write = _checked_bool("wait_for_write", wait_for_write)
+        self.keep_optimizer_state = _checked_bool("keep_optimizer_state", keep_optimizer_state)
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None
@@ -174,23 +163,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         target = self._handoff_target(trainer)
         writer = self._writer_for(target)
         self._calls += 1
-        stage = trainer.state.fn.value
-        writer.check(f"entering {stage}")  # a failed background write is raised here, on every rank
+        writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
         _warn_if_fit_has_nothing_left(trainer)
-        meta = self.between_stages == "meta"
-        boundary = StageBoundary(
-            module,
-            target,
-            stage,
-            writer=writer,
-            meta=meta,
-            materialize=self._partition_from_handoff if meta else None,
-            training=trainer.state.fn == TrainerFn.FITTING,
-            device=self.root_device,
-            fresh=self._fresh,
-            keep_optimizer_state=self.keep_optimizer_state,
-            exclude_frozen=self.exclude_frozen_parameters,
-        )
+        boundary = StageBoundary(module, target, self._stage_options(trainer), writer=writer)
         self._fresh = set()
         resume = None
         if self.resume_from is not None:
@@ -201,6 +176,20 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             trainer.callbacks.append(_StageReturned())
         super().setup(trainer)
         boundary.engine_built(self.model, training=trainer.state.fn == TrainerFn.FITTING)
+
+    def _stage_options(self, trainer: "pl.Trainer") -> StageOptions:
+        """How this call's boundary runs: this strategy's arguments, the call's kind and device."""
+        meta = self.between_stages == "meta"
+        return StageOptions(
+            trainer.state.fn.value,
+            meta=meta,
+            materialize=self._partition_from_handoff if meta else None,
+            training=trainer.state.fn == TrainerFn.FITTING,
+            device=self.root_device,
+            fresh=frozenset(self._fresh),
+            keep_optimizer_state=self.keep_optimizer_state,
+            exclude_frozen=self.exclude_frozen_parameters,
+        )
 
     def _writer_for(self, target: HandoffTarget) -> HandoffWriter:
         """This strategy's writer, made at its first stage once the ranks agree on the handoff folder."""
@@ -229,7 +218,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         assert isinstance(self.config, dict)
         enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
         dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
-        zero_engine.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
+        zero_engine.partition_from_values(
+            self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device
+        )
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         uri = self.handoff_uri
@@ -256,16 +247,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         import deepspeed
 
         assert isinstance(self.config, dict)
-        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for key in ("fp16", "bf16"):
-            if key in self.config:
-                inference_config[key] = copy.deepcopy(self.config[key])
-        if self.zero_stage_3:
-            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
-            inference_config["zero_optimization"] = copy.deepcopy(self.config["zero_optimization"])
         engine, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self.root_device.index),
-            config=inference_config,
+            config=_inference_config(self.config, zero_stage_3=self.zero_stage_3),
             model=model,
             optimizer=None,
             lr_scheduler=None,
@@ -373,7 +357,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             if self.is_global_zero:  # rank 0's path is the one stock broadcast; DeepSpeed wrote 'latest' there
                 holds_optimizer_state(os.fspath(filepath))
             return
-        filepath = self.broadcast(filepath)
+        self._save_between_stages(checkpoint, self.broadcast(filepath), storage_options)
+
+    def _save_between_stages(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any]) -> None:
+        """The folder ``save_checkpoint`` writes when no engine is live (see there), on every rank."""
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not supported for "
@@ -433,7 +420,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             return None
         history = history_of(module)
         if history is None or history.target is None:
-            raise ValueError("the module holds meta tensors and no handoff holds its weights: nothing to save")
+            raise InvalidArgumentError(
+                "the module holds meta tensors and no handoff holds its weights: nothing to save; load weights "
+                "into it first (stagesafe.restore(module, uri))"
+            )
         for writer in self._writers():
             if writer.pending_uri == history.target.uri:
                 raise HandoffNotReadyError(
@@ -631,6 +621,40 @@ def _warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
             f"trainer.fit_loop.{'epoch_loop.max_steps' if steps else 'max_epochs'} before calling fit, or use a new "
             "Trainer (the module keeps its weights across Trainers)"
         )
+
+
+def _check_between_stages(value: Any, *, zero_stage_3: Optional[bool]) -> None:
+    """``between_stages`` is one of the two modes, and ``"meta"`` has ZeRO stage 3 where the config says
+    (``zero_stage_3`` None: a config file, read later)."""
+    if value not in _BETWEEN_STAGES:
+        raise InvalidArgumentError(
+            f"between_stages={value!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)"
+        )
+    if value == "meta" and zero_stage_3 is False:
+        raise InvalidArgumentError(
+            "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
+            "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
+        )
+
+
+def _checked_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def _inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[str, Any]:
+    """DeepSpeed's config for an inference engine: the precision and, under ZeRO-3, the partitioning of
+    ``config``; no optimizer, one sample per step (Lightning's, with ``zero_allow_untested_optimizer`` read
+    where the user may have left it out)."""
+    inference: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+    for key in ("fp16", "bf16"):
+        if key in config:
+            inference[key] = copy.deepcopy(config[key])
+    if zero_stage_3:
+        inference["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
+        inference["zero_optimization"] = copy.deepcopy(config["zero_optimization"])
+    return inference
 
 
 def _checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Optional[str]:
