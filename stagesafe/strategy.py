@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import logging
 import os
 from collections.abc import Generator
@@ -27,12 +28,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from stagesafe.errors import DistributedStageError, EngineReleasedError, HandoffNotReadyError, InvalidArgumentError
-from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
+from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
-from stagesafe.stages.history import HandoffTarget, KeptTraining, history_of, state_tensors
+from stagesafe.strategy_arguments import (
+    check_between_stages,
+    check_keywords,
+    check_local_handoff,
+    checked_bool,
+    checked_storage_options,
+    checked_url,
+)
+from stagesafe.stages.between_calls import has_meta_tensors, kept_training, weights_between_calls
+from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.writer import HandoffWriter
 from stagesafe.zero import engine as zero_engine
@@ -49,7 +59,6 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_HANDOFF_DIR = "stagesafe_handoff"
 _FAILURE_GRACE = 60.0  # seconds a rank whose call failed waits for the others before it keeps its own weights
-_BETWEEN_STAGES = ("cpu", "meta")
 
 
 class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
@@ -98,23 +107,25 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
-        _check_keywords(kwargs)
+        known = {*inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters}
+        check_keywords(kwargs, known | {*inspect.signature(DeepSpeedStrategy.__init__).parameters}, owner=type(self).__name__)
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
-        self.storage_options = dict(storage_options or {})
-        self.handoff_uri = _checked_url("handoff_uri", handoff_uri, self.storage_options)
-        self.resume_from = _checked_url("resume_from", resume_from, self.storage_options)
-        if self.resume_from is not None and not _ranks_can_agree():
-            _check_local_handoff("resume_from", self.resume_from, self.storage_options)
+        self.storage_options = checked_storage_options(storage_options)
+        self.handoff_uri = checked_url("handoff_uri", handoff_uri, self.storage_options)
+        self.resume_from = checked_url("resume_from", resume_from, self.storage_options)
+        if self.resume_from is not None and not collectives.is_up():
+            # With a process group up (a job that runs several Trainers), every rank looks at the stage together,
+            # so that no rank fails alone while the others wait for it; before it, a rank that fails ends the job
+            # through its launcher.
+            check_local_handoff("resume_from", self.resume_from, self.storage_options)
         parse_size(max_shard_size)
         self.max_shard_size = max_shard_size
-        known = isinstance(self.config, dict)  # a config file is read later
-        _check_between_stages(between_stages, zero_stage_3=bool(self.zero_stage_3) if known else None)
+        config_known = isinstance(self.config, dict)  # a config file is read later
+        check_between_stages(between_stages, zero_stage_3=bool(self.zero_stage_3) if config_known else None)
         self.between_stages = between_stages
-        self.wait_for_write = _checked_bool("wait_for_write", wait_for_write)
-        self.keep_optimizer_state = _checked_bool("keep_optimizer_state", keep_optimizer_state)
+        self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
+        self.keep_optimizer_state = checked_bool("keep_optimizer_state", keep_optimizer_state)
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None
@@ -138,7 +149,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank."""
         module = self.lightning_module
         fresh = module is not None and history_of(module) is None
-        if self.resume_from is not None and fresh and not _ranks_can_agree():
+        if self.resume_from is not None and fresh and not collectives.is_up():
             from stagesafe.handoff.read import read_manifest
 
             read_manifest(self.resume_from, storage_options=self.storage_options or None)
@@ -154,7 +165,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         with super().model_sharded_context():
             yield
         if module is not None:
-            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and hasattr(p, "ds_id")}
+            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and zero_engine.is_zero3_param(p)}
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -197,6 +208,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             return self._writer
         if self._writer is not None and self._writer.pending:
             self._writer.join()
+        for writer in self._writers():  # the module's writer of another strategy: collectives follow
+            writer.wait_device()
         location = agree_on_location(target)
         if location.writers < self.world_size and self.between_stages == "meta":
             raise InvalidArgumentError(
@@ -280,6 +293,24 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._before_collective()
         with self._named_if_broken():
             return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().reduce(*args, **kwargs)
+
+    @override
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().all_gather(*args, **kwargs)
+
+    @override
+    def reduce_boolean_decision(self, *args: Any, **kwargs: Any) -> bool:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().reduce_boolean_decision(*args, **kwargs)
 
     def _before_collective(self) -> None:
         """No collective while a writer still needs the device (its copies would queue behind it); after a
@@ -378,7 +409,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 "deepspeed-zero-stage-3-single-file for instructions."
             )
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        kept, missing = self._kept_training(module)
+        kept, missing = kept_training(module, world_size=self.world_size)
         if kept is not None:
             assert kept.checkpoint is not None
             client["lr_schedulers"] = kept.lr_schedulers
@@ -394,45 +425,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 "optimizer afresh from these weights."
             )
         if self.is_global_zero:
-            values = self._weights_between_stages(module)
+            values = weights_between_calls(module, self._writers())
             write_zero_checkpoint(
                 os.fspath(filepath), module, values=values, zero_stage=self._zero_stage, client_state=client,
                 exclude_frozen=self.exclude_frozen_parameters,
             )
-
-    def _kept_training(self, module: Module) -> tuple[Optional[KeptTraining], str]:
-        """The last fit's kept engine state where it still belongs to the module's weights, else why not."""
-        history = history_of(module)
-        kept = history.kept if history is not None else None
-        if kept is None:
-            return None, "no fit under StageSafeDeepSpeedStrategy has trained this module's weights in this process"
-        if kept.checkpoint is None:
-            return None, kept.missing
-        if not kept.holds(state_tensors(module)):
-            return None, "the module's weights changed since the last fit ended, and its optimizer state with them"
-        if kept.world_size != self.world_size:
-            return None, f"it was kept by {kept.world_size} rank(s) and this job has {self.world_size}"
-        return kept, ""
-
-    def _weights_between_stages(self, module: Module) -> Optional[Mapping[str, Any]]:
-        """None when the module holds its weights; its handoff's when it holds meta tensors."""
-        if not _has_meta_tensors(module):
-            return None
-        history = history_of(module)
-        if history is None or history.target is None:
-            raise InvalidArgumentError(
-                "the module holds meta tensors and no handoff holds its weights: nothing to save; load weights "
-                "into it first (stagesafe.restore(module, uri))"
-            )
-        for writer in self._writers():
-            if writer.pending_uri == history.target.uri:
-                raise HandoffNotReadyError(
-                    f"the handoff {history.target.uri!r} that holds the module's weights is still being written: call "
-                    "strategy.wait_for_handoff() on every rank before trainer.save_checkpoint(...)"
-                )
-        from stagesafe.handoff.read import load_state_dict
-
-        return load_state_dict(history.target.uri, storage_options=history.target.storage_options)
 
     @property
     def _zero_stage(self) -> int:
@@ -483,7 +480,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             if boundary is not None:
                 self._leave(boundary)
         finally:
-            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+            if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
                 self._teardown_without_moving_the_module()
             else:
                 super().teardown()
@@ -623,26 +620,6 @@ def _warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
         )
 
 
-def _check_between_stages(value: Any, *, zero_stage_3: Optional[bool]) -> None:
-    """``between_stages`` is one of the two modes, and ``"meta"`` has ZeRO stage 3 where the config says
-    (``zero_stage_3`` None: a config file, read later)."""
-    if value not in _BETWEEN_STAGES:
-        raise InvalidArgumentError(
-            f"between_stages={value!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)"
-        )
-    if value == "meta" and zero_stage_3 is False:
-        raise InvalidArgumentError(
-            "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
-            "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
-        )
-
-
-def _checked_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
 def _inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[str, Any]:
     """DeepSpeed's config for an inference engine: the precision and, under ZeRO-3, the partitioning of
     ``config``; no optimizer, one sample per step (Lightning's, with ``zero_allow_untested_optimizer`` read
@@ -657,16 +634,6 @@ def _inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[
     return inference
 
 
-def _checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Optional[str]:
-    """A str URL whose fsspec protocol is known and installed (nothing is read or written yet)."""
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
-    resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
-    return os.fspath(value)
-
-
 def _said_committed(uri: str, commit: Any, seconds: float) -> None:
     """Rank 0's line, at Lightning's default level, once a background write has committed."""
     from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -675,53 +642,6 @@ def _said_committed(uri: str, commit: Any, seconds: float) -> None:
     metadata = commit.manifest.get("metadata", {})
     what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {_megabytes(size)} in {seconds:.1f} s)")
-
-
-def _ranks_can_agree() -> bool:
-    """A process group is up (a job that runs several Trainers): a handoff one rank cannot see is then found
-    by every rank together at the stage, so that no rank fails alone while the others wait for it. Before
-    it, a rank that fails ends the job through its launcher (Lightning's, torchrun)."""
-    import torch.distributed
-
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _check_keywords(kwargs: Mapping[str, Any]) -> None:
-    """A misspelt argument names this class and the argument meant, not Lightning's base class."""
-    import difflib
-    import inspect
-
-    known = set(inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters)
-    known |= set(inspect.signature(DeepSpeedStrategy.__init__).parameters)
-    for name in kwargs:
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known - {"self", "args", "kwargs"}), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"StageSafeDeepSpeedStrategy() got an unexpected keyword argument {name!r}{hint}")
-
-
-def _check_local_handoff(name: str, url: str, storage_options: Mapping[str, Any]) -> None:
-    """A handoff on the local disk is looked at now, so that a mistyped path fails here and not once every
-    rank has started; one elsewhere is read at the first stage (every rank, before DeepSpeed starts)."""
-    from stagesafe.errors import HandoffNotFoundError
-    from stagesafe.handoff.fs import is_local
-    from stagesafe.handoff.manifest import MANIFEST_NAME
-
-    fs, root = resolve(url, dict(storage_options))
-    if not is_local(fs):
-        return
-    if not os.path.isdir(root):
-        raise HandoffNotFoundError(f"{name}={url!r}: there is no such folder; pass the folder of a committed handoff")
-    if not os.path.isfile(os.path.join(root, MANIFEST_NAME)):
-        raise HandoffNotFoundError(
-            f"{name}={url!r} holds no committed handoff (no {MANIFEST_NAME}); pass the folder a strategy's handoff_uri "
-            "or stagesafe.save_state_dict wrote (a DeepSpeed checkpoint folder: consolidate it first, "
-            "stagesafe consolidate SRC DST)"
-        )
-
-
-def _has_meta_tensors(module: Module) -> bool:
-    return any(t.device.type == "meta" for t in module.state_dict(keep_vars=True).values() if hasattr(t, "device"))
 
 
 def _megabytes(n: int) -> str:

@@ -191,7 +191,7 @@ class StageBoundary:
     def _built_names(self) -> set[str]:
         """The parameters zero.Init built in this call (partitioned: their values are the engine's)."""
         params = self.module.named_parameters(remove_duplicate=False)
-        return {n for n, p in params if id(p) in self.options.fresh and hasattr(p, "ds_id")}
+        return {n for n, p in params if id(p) in self.options.fresh and zero_engine.is_zero3_param(p)}
 
     def _first_stage(
         self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool

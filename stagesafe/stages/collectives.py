@@ -24,21 +24,22 @@ import torch.distributed as dist
 
 from stagesafe.errors import DistributedStageError, describe
 
-__all__ = ["rank", "world_size", "on_rank_zero", "all_ranks", "gather_all"]
+__all__ = ["is_up", "rank", "world_size", "on_rank_zero", "all_ranks", "gather_all"]
 
 T = TypeVar("T")
 
 
-def _active() -> bool:
+def is_up() -> bool:
+    """A process group is up: the collectives here reach the other ranks."""
     return dist.is_available() and dist.is_initialized()
 
 
 def rank() -> int:
-    return dist.get_rank() if _active() else 0
+    return dist.get_rank() if is_up() else 0
 
 
 def world_size() -> int:
-    return dist.get_world_size() if _active() else 1
+    return dist.get_world_size() if is_up() else 1
 
 
 def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
@@ -53,7 +54,7 @@ def _attempt(fn: Callable[[], T]) -> tuple[T | None, BaseException | None]:
 
 def _gathered(value: T) -> list[T]:
     """Every rank's ``value`` (small, picklable), in rank order, on every rank."""
-    if not _active():
+    if not is_up():
         return [value]
     values: list = [None] * world_size()
     dist.all_gather_object(values, value)
@@ -74,7 +75,7 @@ def on_rank_zero(fn: Callable[[], T], what: str) -> T:
     """Run ``fn`` on rank 0 only and return its (small, picklable) result on every rank; if it raises, raise
     on every rank (rank 0 re-raises its own error, the others a :class:`DistributedStageError` naming it)."""
     result, error = _attempt(fn) if rank() == 0 else (None, None)
-    if _active():
+    if is_up():
         box = [(None, result) if error is None else (describe(error), None)]
         dist.broadcast_object_list(box, src=0)
         failure, result = box[0]

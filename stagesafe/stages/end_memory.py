@@ -44,7 +44,7 @@ def end_specs(
             aliases[name] = canonical
     specs = {}
     for name, tensor in tensors.items():
-        shape = getattr(params[name], "ds_shape", tensor.shape) if name in built else tensor.shape
+        shape = zero_engine.full_shape(params[name]) if name in built else tensor.shape
         specs[name] = {"dtype": str(original[name][0]).removeprefix("torch."), "shape": list(shape)}
     return specs, aliases
 

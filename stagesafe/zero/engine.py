@@ -28,6 +28,8 @@ __all__ = [
     "find_stale_state",
     "is_engine",
     "has_fp32_master",
+    "is_zero3_param",
+    "full_shape",
     "set_fp32_masters",
     "load_values_into_engine",
     "destroy_engine",
@@ -145,7 +147,8 @@ def is_engine(obj: Any) -> bool:
     return engine_module is not None and isinstance(obj, engine_module.DeepSpeedEngine)
 
 
-def _is_zero3_param(param: torch.Tensor) -> bool:
+def is_zero3_param(param: torch.Tensor) -> bool:
+    """Partitioned by ZeRO-3 (``zero.Init`` or an engine): its values live in the engine, not in ``.data``."""
     return hasattr(param, "ds_id")
 
 
@@ -153,7 +156,7 @@ def has_fp32_master(param: torch.Tensor) -> bool:
     """True when the engine's optimizer holds a full-precision master copy of this parameter."""
     if not param.requires_grad:
         return False
-    if _is_zero3_param(param):
+    if is_zero3_param(param):
         return getattr(param, "_z3_optimizer", None) is not None
     # ZeRO 1/2 link every parameter of the optimizer's groups, on every rank (``_hp_mapping`` is None where
     # another rank holds the fragment), so this answer is the same everywhere and the gather below matches.
@@ -163,7 +166,7 @@ def has_fp32_master(param: torch.Tensor) -> bool:
 @contextlib.contextmanager
 def _gathered(params: list[nn.Parameter], modifier_rank: int | None = None) -> Iterator[None]:
     """Make ZeRO-3 parameters whole for the duration of the block (a collective: every rank enters)."""
-    partitioned = [p for p in params if _is_zero3_param(p)]
+    partitioned = [p for p in params if is_zero3_param(p)]
     if not partitioned:
         yield
         return
@@ -191,7 +194,7 @@ def full_specs(module: nn.Module) -> tuple[dict[str, tuple[torch.Size, torch.dty
         canonical = first.setdefault(id(param), name)
         if canonical != name:
             aliases[name] = canonical
-        specs[name] = (torch.Size(_full_shape(param)), param.dtype)
+        specs[name] = (torch.Size(full_shape(param)), param.dtype)
     for name, buf in buffers.items():
         specs[name] = (buf.shape, buf.dtype)
     return specs, aliases
@@ -236,7 +239,7 @@ class GatheredValues(Mapping):
             import deepspeed.utils
 
             with _quiet_collectives():
-                master = deepspeed.utils.safe_get_full_fp32_param(param).detach().reshape(_full_shape(param))
+                master = deepspeed.utils.safe_get_full_fp32_param(param).detach().reshape(full_shape(param))
             placed = self._place(name, master, None)
             return self._to_dtype(name, master.to("cpu")) if placed is None else placed
         with _quiet_collectives(), _gathered([param]):
@@ -356,7 +359,7 @@ def _master_buckets(named: list[tuple[str, nn.Parameter]]) -> list[_Bucket]:
     flats: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
     seen: set[int] = set()
     for name, param in named:
-        if id(param) in seen or not _is_zero3_param(param) or not has_fp32_master(param):
+        if id(param) in seen or not is_zero3_param(param) or not has_fp32_master(param):
             continue
         seen.add(id(param))
         optimizer = param._z3_optimizer
@@ -443,8 +446,9 @@ def partition_from_values(
                 sub._buffers[local_name] = values[name].to(device=device, dtype=buf.dtype)
 
 
-def _full_shape(param: torch.Tensor) -> torch.Size:
-    return param.ds_shape if _is_zero3_param(param) else param.shape
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of a parameter's values, also for a ZeRO-3 placeholder whose ``.data`` is empty."""
+    return getattr(param, "ds_shape", param.shape)
 
 
 def set_fp32_masters(module: nn.Module, values: Mapping[str, torch.Tensor]) -> int:
@@ -461,7 +465,7 @@ def set_fp32_masters(module: nn.Module, values: Mapping[str, torch.Tensor]) -> i
         if id(param) in seen or not has_fp32_master(param) or name not in values:
             continue
         seen.add(id(param))
-        if _is_zero3_param(param):
+        if is_zero3_param(param):
             _set_zero3_master(param, values[name])
         else:
             value = values[name].detach().to(device=param.device, dtype=torch.float32)
@@ -509,7 +513,7 @@ def load_values_into_engine(module: nn.Module, values: Mapping[str, torch.Tensor
             continue
         seen.update(id(p) for _, p in own)
         with _gathered([p for _, p in own], modifier_rank=0):
-            if rank == 0 or not any(_is_zero3_param(p) for _, p in own):
+            if rank == 0 or not any(is_zero3_param(p) for _, p in own):
                 with torch.no_grad():
                     for n, p in own:
                         p.data.copy_(values[n].reshape(p.data.shape))
