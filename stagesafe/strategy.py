@@ -27,12 +27,13 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.errors import DistributedStageError, EngineReleasedError, HandoffNotReadyError, InvalidArgumentError
+from stagesafe.errors import DistributedStageError, EngineReleasedError, InvalidArgumentError
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.trainer_messages import boundary_line, say_committed, warn_if_fit_has_nothing_left
 from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
@@ -40,6 +41,7 @@ from stagesafe.strategy_arguments import (
     checked_bool,
     checked_storage_options,
     checked_url,
+    inference_config,
 )
 from stagesafe.stages.between_calls import has_meta_tensors, kept_training, weights_between_calls
 from stagesafe.stages.history import HandoffTarget, history_of
@@ -175,7 +177,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         writer = self._writer_for(target)
         self._calls += 1
         writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
-        _warn_if_fit_has_nothing_left(trainer)
+        warn_if_fit_has_nothing_left(trainer)
         boundary = StageBoundary(module, target, self._stage_options(trainer), writer=writer)
         self._fresh = set()
         resume = None
@@ -220,7 +222,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._location = (target.uri, location)
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
-        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=_said_committed)
+        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=say_committed)
         return self._writer
 
     def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
@@ -262,7 +264,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         assert isinstance(self.config, dict)
         engine, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self.root_device.index),
-            config=_inference_config(self.config, zero_stage_3=self.zero_stage_3),
+            config=inference_config(self.config, zero_stage_3=self.zero_stage_3),
             model=model,
             optimizer=None,
             lr_scheduler=None,
@@ -535,21 +537,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             self._log_boundary(self.last_boundary, waited=True)
 
     def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
-        if not self.is_global_zero:
-            return
-        if report.wrote and not waited:
-            written = "being written in the background"
-        else:
-            written = "written" if report.wrote else "unchanged"
-        log.info(
-            "stagesafe: %s boundary %.2fs; handoff %s at %s%s%s",
-            report.stage,
-            report.seconds,
-            written,
-            report.uri,
-            f" ({_megabytes(report.handoff_bytes)})" if report.handoff_bytes else "",
-            "" if report.clean else f"; NOT clean: {report.stale_problems}",
-        )
+        if self.is_global_zero:
+            log.info("%s", boundary_line(report, waited=waited))
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
@@ -601,51 +590,6 @@ class _StageReturned(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, StageSafeDeepSpeedStrategy):
             strategy._stage_returned()
-
-
-def _warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
-    """Lightning's ``fit`` on a Trainer that already reached its ``max_epochs``/``max_steps`` returns at once
-    without training; users who reuse one Trainer across stages meet that silently."""
-    loop = trainer.fit_loop
-    if trainer.state.fn != TrainerFn.FITTING or trainer.ckpt_path is not None:
-        return
-    steps = loop.max_steps not in (None, -1) and loop.epoch_loop.global_step >= loop.max_steps
-    epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
-    if steps or epochs:
-        limit = f"max_steps={loop.max_steps}" if steps else f"max_epochs={loop.max_epochs}"
-        rank_zero_warn(
-            f"this Trainer has already trained to {limit}: fit will return without a step. To train on, raise "
-            f"trainer.fit_loop.{'epoch_loop.max_steps' if steps else 'max_epochs'} before calling fit, or use a new "
-            "Trainer (the module keeps its weights across Trainers)"
-        )
-
-
-def _inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[str, Any]:
-    """DeepSpeed's config for an inference engine: the precision and, under ZeRO-3, the partitioning of
-    ``config``; no optimizer, one sample per step (Lightning's, with ``zero_allow_untested_optimizer`` read
-    where the user may have left it out)."""
-    inference: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-    for key in ("fp16", "bf16"):
-        if key in config:
-            inference[key] = copy.deepcopy(config[key])
-    if zero_stage_3:
-        inference["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
-        inference["zero_optimization"] = copy.deepcopy(config["zero_optimization"])
-    return inference
-
-
-def _said_committed(uri: str, commit: Any, seconds: float) -> None:
-    """Rank 0's line, at Lightning's default level, once a background write has committed."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-    size = sum(record["size"] for record in commit.manifest["shards"].values())
-    metadata = commit.manifest.get("metadata", {})
-    what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
-    rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {_megabytes(size)} in {seconds:.1f} s)")
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:

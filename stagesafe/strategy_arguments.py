@@ -1,8 +1,10 @@
 """The strategy's own arguments, checked when it is built: before any process group starts, so that a mistake
-fails at once, in one line, naming the argument and what to pass instead of failing on some rank mid-job."""
+fails at once, in one line, naming the argument and what to pass instead of failing on some rank mid-job; and
+the DeepSpeed config an inference engine gets from the user's."""
 
 from __future__ import annotations
 
+import copy
 import difflib
 import os
 from collections.abc import Iterable, Mapping
@@ -20,6 +22,7 @@ __all__ = [
     "checked_bool",
     "checked_storage_options",
     "checked_url",
+    "inference_config",
 ]
 
 BETWEEN_STAGES = ("cpu", "meta")
@@ -85,3 +88,17 @@ def checked_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
+
+
+def inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[str, Any]:
+    """DeepSpeed's config for an inference engine: the precision and, under ZeRO-3, the partitioning of
+    ``config``; no optimizer, one sample per step (Lightning's, with ``zero_allow_untested_optimizer`` read
+    where the user may have left it out)."""
+    inference: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+    for key in ("fp16", "bf16"):
+        if key in config:
+            inference[key] = copy.deepcopy(config[key])
+    if zero_stage_3:
+        inference["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
+        inference["zero_optimization"] = copy.deepcopy(config["zero_optimization"])
+    return inference

@@ -119,7 +119,7 @@ def test_before_its_first_call_a_strategy_has_no_report_and_no_engine_to_release
 
 
 def test_an_inference_engine_takes_the_precision_and_the_zero3_partitioning_and_no_optimizer():
-    from stagesafe.strategy import _inference_config
+    from stagesafe.strategy_arguments import inference_config as _inference_config
 
     config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True},
               "optimizer": {"type": "Adam"}, "train_micro_batch_size_per_gpu": 8}
