@@ -1,7 +1,7 @@
 """ZeRO checkpoint folders written without an engine (stagesafe/zero/checkpoint_writer.py): the weights-only folder
 of ``write_zero_checkpoint`` is read back bit for bit by DeepSpeed's own ``zero_to_fp32`` and by stagesafe's reader,
-for every ZeRO stage, with trained, frozen and tied parameters, buffers and the client state.
-(``write_engine_checkpoint`` is checked with the kept state it writes, in tests/test_kept_training.py.)"""
+for every ZeRO stage, with trained, frozen and tied parameters, buffers and the client state; and the files of a
+kept engine state written where DeepSpeed writes them (``write_engine_checkpoint``)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,12 @@ from torch import nn
 
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.zero.checkpoint import open_zero_checkpoint
-from stagesafe.zero.checkpoint_writer import WEIGHTS_ONLY_MARKER, is_weights_only, write_zero_checkpoint
+from stagesafe.zero.checkpoint_writer import (
+    WEIGHTS_ONLY_MARKER,
+    is_weights_only,
+    write_engine_checkpoint,
+    write_zero_checkpoint,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -133,3 +138,32 @@ def test_a_stage_that_is_not_zeros_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(InvalidArgumentError, match=f"zero_stage={zero_stage!r}: .* stage 1, 2 or 3"):
         write_zero_checkpoint(str(tmp_path / "ckpt"), _net(), zero_stage=zero_stage, client_state={})
     assert not (tmp_path / "ckpt").exists()
+
+
+# -- a kept engine state's files -------------------------------------------------------------------------------------
+
+
+def test_the_kept_files_are_written_as_deepspeed_names_them_with_the_client_state(tmp_path):
+    path = str(tmp_path / "ckpt")
+    os.makedirs(path)
+    open(os.path.join(path, WEIGHTS_ONLY_MARKER), "w").close()  # an earlier weights-only save into the folder
+    files = {
+        "zero_pp_rank_0_mp_rank_00_model_states.pt": {"module": {}, "global_steps": 4},
+        "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt": {"optimizer_state_dict": {"x": torch.ones(2)}},
+    }
+    client = {"epoch": 1, "lr_schedulers": [{"last_epoch": 4}]}
+    write_engine_checkpoint(path, files, client_state=client, latest=True)
+    folder = os.path.join(path, "checkpoint")
+    assert sorted(os.listdir(folder)) == sorted(files)  # no temporary file left
+    model = torch.load(os.path.join(folder, "zero_pp_rank_0_mp_rank_00_model_states.pt"), weights_only=False)
+    assert model == {"module": {}, "global_steps": 4, **client}
+    optim = torch.load(os.path.join(folder, "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt"), weights_only=False)
+    assert set(optim) == {"optimizer_state_dict"}  # the client state goes to model states only, as DeepSpeed does
+    assert open(os.path.join(path, "latest")).read() == "checkpoint"
+    assert not is_weights_only(path)
+
+
+def test_ranks_without_latest_write_only_their_files(tmp_path):
+    path = str(tmp_path / "ckpt")
+    write_engine_checkpoint(path, {"zero_pp_rank_1_mp_rank_00_model_states.pt": {}}, client_state={}, latest=False)
+    assert os.listdir(path) == ["checkpoint"]

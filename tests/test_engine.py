@@ -6,6 +6,7 @@ placeholders, the weights read out of it and loaded into it, and its checkpoint 
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -280,3 +281,18 @@ def test_checkpoint_files_are_those_deepspeed_saves_copied_off_the_engine(build,
         assert len(ours) == len(theirs) > 0, name
         assert_bitwise_equal(dict(enumerate(ours)), dict(enumerate(theirs)))
         assert not {t.data_ptr() for t in ours} & engine_tensors, name  # copies of their own
+
+
+def test_host_copies_are_private_and_keep_the_containers():
+    weight = torch.arange(6, dtype=torch.float32)
+    state = {"optimizer_state_dict": OrderedDict(state={0: {"exp_avg": weight}}, groups=[weight, (weight, 3)]),
+             "loss_scaler": object(), "step": 7}
+    copies: list = []
+    host = zero_engine._to_host(state, copies)
+    assert type(host["optimizer_state_dict"]) is OrderedDict
+    copied = host["optimizer_state_dict"]["state"][0]["exp_avg"]
+    weight.add_(1)  # the engine's tensor changes: the kept copy does not
+    assert torch.equal(copied, torch.arange(6, dtype=torch.float32))
+    assert isinstance(host["optimizer_state_dict"]["groups"][1], tuple)
+    assert host["loss_scaler"] is state["loss_scaler"] and host["step"] == 7
+    assert len(copies) == 3

@@ -1,7 +1,5 @@
-"""stages/history.py: what stagesafe remembers of a module between Trainer calls, on real modules and tensors.
-
-(``KeptTraining``'s own tests are in tests/test_kept_training.py, beside the host memory it is kept in.)
-"""
+"""stages/history.py: what stagesafe remembers of a module between Trainer calls, on real modules and tensors, and
+what a boundary keeps of the engine (``KeptTraining``): which fp32 masters still hold for the tensors it finds."""
 
 from __future__ import annotations
 
@@ -11,7 +9,15 @@ import weakref
 import torch
 from torch import nn
 
-from stagesafe.stages.history import HandoffTarget, ModuleHistory, fingerprint, history_of, new_history, state_tensors
+from stagesafe.stages.history import (
+    HandoffTarget,
+    KeptTraining,
+    ModuleHistory,
+    fingerprint,
+    history_of,
+    new_history,
+    state_tensors,
+)
 
 
 class _Tied(nn.Module):
@@ -88,3 +94,33 @@ def test_a_modules_history_is_its_own_and_goes_with_it():
     del module, history
     gc.collect()
     assert gone() is None
+
+
+# -- what a boundary keeps of the engine -----------------------------------------------------------------------------
+
+
+def _kept(tensors: dict[str, torch.Tensor], masters: dict[str, torch.Tensor]) -> KeptTraining:
+    return KeptTraining(fingerprint(tensors), masters=masters)
+
+
+def test_masters_are_given_only_for_tensors_unchanged_since_they_were_kept():
+    tensors = {"a": torch.zeros(3, dtype=torch.bfloat16), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    masters = {"a": torch.full((3,), 0.1), "b": torch.full((2,), 0.2)}
+    kept = _kept(tensors, masters)
+    assert set(kept.masters_for(tensors)) == {"a", "b"} and kept.holds(tensors)
+    tensors["b"].add_(1)  # in place: a new version
+    assert set(kept.masters_for(tensors)) == {"a"}
+    assert not kept.holds(tensors)
+    replaced = {**tensors, "a": torch.zeros(3, dtype=torch.bfloat16)}  # another tensor object
+    assert kept.masters_for(replaced) == {}
+
+
+def test_tensors_stagesafe_itself_replaced_keep_the_state_valid():
+    tensors = {"a": torch.zeros(3)}
+    kept = _kept(tensors, {})
+    meta = {"a": torch.empty(3, device="meta")}
+    kept.moved(fingerprint(tensors), meta)
+    assert kept.holds(meta)
+    other = {"a": torch.ones(3)}
+    kept.moved(fingerprint(other), tensors)  # a move from tensors it was not kept with changes nothing
+    assert kept.holds(meta)
