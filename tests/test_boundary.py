@@ -276,6 +276,7 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
     boundary = _boundary(module, uri, writer, "fit", training=True, device=torch.device("cpu"), meta=meta,
                          materialize=lambda handoff: None)
     boundary.enter()
+    history_of(module).weights_from = {"stage": "validate", "global_step": 0}  # what an earlier stage left
     engine = _engine(module)  # casts the module to bf16 and partitions it
     boundary.engine_built(engine, training=True)  # the masters get the exact fp32 values, not bf16-rounded ones
     report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=False)
@@ -283,7 +284,8 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
     assert report.wrote and report.clean
     handoff = stagesafe.load_state_dict(uri)
     assert_bitwise_equal(handoff, {n: v.float() for n, v in values.items()})  # fp32, the bf16 layer's too
-    assert stagesafe.read_manifest(uri)["metadata"]["global_step"] == 1
+    metadata = stagesafe.read_manifest(uri)["metadata"]
+    assert (metadata["stage"], metadata["global_step"]) == ("fit", 1)  # this fit's, in both modes
     kept = history_of(module).kept
     assert kept is not None and kept.checkpoint and kept.missing == ""
     if meta:

@@ -409,7 +409,7 @@ class StageBoundary:
         weights_from: Mapping[str, Any],
     ) -> _Taken:
         if source is WeightSource.STREAMED:
-            metadata = {**weights_from, **handoff_metadata(history)}
+            metadata = {**handoff_metadata(history), **weights_from}  # the new weights' stage and step win
             self._publisher.streamed(history, self._entry.values or {}, metadata)
             return _Taken(source)
         if source in (WeightSource.MASTERS, WeightSource.BUILT):
