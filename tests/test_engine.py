@@ -1,4 +1,4 @@
-"""A live DeepSpeed engine's internals (stagesafe/zero/engine.py), on a real 1-rank ZeRO-3 engine built on the CPU in
+"""A live DeepSpeed engine's internals (stagesafe/zero/engine/), on a real 1-rank ZeRO-3 engine built on the CPU in
 the test process (gloo): the state it leaves on a module and what takes it away, the full shapes behind its
 placeholders, the weights read out of it and loaded into it, and its checkpoint files. Tensors compare bit for bit.
 """
