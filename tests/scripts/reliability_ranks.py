@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl
 import torch
-from toy import ToyModule, dataloader, probe, state_digest, state_digest_of
+from toy import ToyModule, dataloader, probe, quiet_trainer, state_digest, state_digest_of
 
 from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_dict
 from stagesafe.stages.boundary import assert_clean
@@ -58,21 +58,7 @@ class InterruptedModule(ToyModule):
 
 
 def trainer(root: str, name: str, *, max_steps: int = -1, **strategy_kwargs) -> pl.Trainer:
-    strategy_kwargs.setdefault("handoff_uri", f"{root}/{name}/handoff")
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=StageSafeDeepSpeedStrategy(stage=3, **strategy_kwargs),
-        precision="bf16-mixed",
-        max_epochs=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=f"{root}/{name}",
-    )
+    return quiet_trainer(root, name, devices=2, max_steps=max_steps, **strategy_kwargs)
 
 
 def run(record_list: list, label: str, call) -> dict:
