@@ -120,11 +120,14 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
     """Publish ``data`` (bytes, or chunks streamed one at a time) at ``path``; no reader sees a partial file.
 
     Locally: write a temporary sibling (its write-back started as it grows), fsync, ``os.replace``. Object
-    stores and ``memory://`` publish an object when its upload completes (s3fs: one PUT, or a multipart upload
-    above its block size that is aborted, not completed, when writing fails), and have no cheap rename.
+    stores publish an object when its upload completes (s3fs: one PUT, or a multipart upload above its block
+    size that is aborted, not completed, when writing fails), and have no cheap rename. ``memory://`` publishes
+    a file as soon as it is opened, so its bytes are gathered first and put in place at once.
     """
     chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if not is_local(fs):
+        if "memory" in _protocols(fs):  # it holds every byte in this process anyway
+            data = b"".join(bytes(chunk) for chunk in chunks)
         if isinstance(data, (bytes, bytearray)):
             fs.pipe_file(path, bytes(data))
             return
@@ -172,3 +175,8 @@ def fsync_dir(fs: fsspec.AbstractFileSystem, root: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)
