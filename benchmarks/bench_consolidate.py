@@ -82,7 +82,7 @@ def compare_outputs(z2f_dir: str, ours_dir: str) -> str:
     import torch
     from safetensors.torch import load_file
 
-    from stagesafe.handoff.store import load_state_dict
+    from stagesafe.handoff.read import load_state_dict
 
     theirs: dict = {}
     for name in sorted(os.listdir(z2f_dir)):

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stagesafe  # noqa: E402
 from bench_boundary import device_to_host_seconds, disk_write_seconds  # noqa: E402
-from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 
 class Block(nn.Module):
@@ -222,7 +222,7 @@ def main() -> None:
 
 def _kept_bytes(module: nn.Module) -> int:
     """Bytes of this rank's kept DeepSpeed checkpoint files (optimizer partition, masters) after a fit."""
-    from stagesafe.lightning.history import history_of
+    from stagesafe.stages.history import history_of
 
     history = history_of(module)
     kept = history.kept if history is not None else None

@@ -30,10 +30,13 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from bench_boundary import disk_write_seconds  # noqa: E402
 
 from stagesafe.handoff.fs import resolve  # noqa: E402
-from stagesafe.handoff.store import Commit, commit_handoff, live_files, plan_handoff, remove_replaced, write_shards  # noqa: E402,E501
-from stagesafe.lightning.agree import JobChannel  # noqa: E402
-from stagesafe.lightning.host import HostBuffers  # noqa: E402
-from stagesafe.lightning.shared_write import write_share  # noqa: E402
+from stagesafe.handoff.cleanup import live_files  # noqa: E402
+from stagesafe.handoff.commit import Commit, commit_handoff, remove_replaced  # noqa: E402
+from stagesafe.handoff.plan import plan_handoff  # noqa: E402
+from stagesafe.handoff.shards import write_shards  # noqa: E402
+from stagesafe.stages.channel import JobChannel  # noqa: E402
+from stagesafe.stages.host import HostBuffers  # noqa: E402
+from stagesafe.stages.shared_write import write_share  # noqa: E402
 
 _SHARD = "1GB"
 

@@ -44,11 +44,11 @@ _LAZY = {
     "inspect_checkpoint": "stagesafe.consolidate",
     "load_zero_checkpoint": "stagesafe.consolidate",
     "restore": "stagesafe.restore",
-    "RetryPolicy": "stagesafe.handoff.store",
-    "load_state_dict": "stagesafe.handoff.store",
-    "read_manifest": "stagesafe.handoff.store",
-    "save_state_dict": "stagesafe.handoff.store",
-    "verify": "stagesafe.handoff.store",
+    "RetryPolicy": "stagesafe.handoff.retry",
+    "load_state_dict": "stagesafe.handoff.read",
+    "read_manifest": "stagesafe.handoff.read",
+    "save_state_dict": "stagesafe.handoff.save",
+    "verify": "stagesafe.handoff.verify",
 }
 
 __all__ = [

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["main", "run"]
 
@@ -92,6 +92,8 @@ def _workers(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``stagesafe`` parser: one subcommand each for consolidate, inspect and verify (the CLI reference in
+    the docs is generated from it)."""
     parser = _Parser(
         prog="stagesafe",
         description="DeepSpeed ZeRO checkpoints to safetensors shards on any fsspec URL, and checks of the result.",
@@ -101,8 +103,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    fmt = argparse.RawDescriptionHelpFormatter
+    storage = _storage_parser()
+    _add_consolidate(sub, storage)
+    _add_inspect(sub, storage)
+    _add_verify(sub, storage)
+    return parser
 
+
+def _storage_parser() -> argparse.ArgumentParser:
+    """The ``--storage-option`` every subcommand takes (a parent parser)."""
     storage = argparse.ArgumentParser(add_help=False)
     storage.add_argument(
         "--storage-option",
@@ -114,7 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help="fsspec option for the filesystems (repeatable; VALUE is parsed as JSON when it can be)",
     )
+    return storage
 
+
+def _add_consolidate(sub: Any, storage: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "consolidate",
         parents=[storage],
@@ -122,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Consolidate the fp32 weights of a DeepSpeed ZeRO checkpoint (stage 1, 2 or 3, any world "
         "size) into safetensors shards, reading one tensor at a time.",
         epilog=_CONSOLIDATE_EPILOG,
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("src", metavar="SRC", help="DeepSpeed checkpoint folder (path or URL)")
     p.add_argument("dst", metavar="DST", help="destination folder (path or URL)")
@@ -143,30 +155,33 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", "-q", action="store_true", help="no progress bar, no summary line")
 
+
+def _add_inspect(sub: Any, storage: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "inspect",
         parents=[storage],
         help="list the tensors of a handoff or of a DeepSpeed checkpoint",
         description="List tensors (name, dtype, shape, shard), totals and the manifest, without reading tensor data.",
         epilog=_INSPECT_EPILOG,
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("url", metavar="URL", help="handoff folder or DeepSpeed checkpoint folder (path or URL)")
     p.add_argument("--json", action="store_true", help="print one JSON object, for scripts")
     p.add_argument("--tag", help="for a DeepSpeed checkpoint: tag folder to describe")
 
+
+def _add_verify(sub: Any, storage: argparse.ArgumentParser) -> None:
     p = sub.add_parser(
         "verify",
         parents=[storage],
         help="re-hash every shard of a handoff against its manifest",
         description="Check every shard of a handoff against the digest and size its manifest records.",
         epilog=_VERIFY_EPILOG,
-        formatter_class=fmt,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("url", metavar="URL", help="handoff folder (path or URL)")
     p.add_argument("--quiet", "-q", action="store_true", help="print nothing on success")
     p.add_argument("--fix-index", action="store_true", help="rewrite an index that differs from the manifest")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -294,8 +309,8 @@ def _inspect(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from stagesafe.handoff.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
-    from stagesafe.handoff.plan import digest_of
-    from stagesafe.handoff.store import verify
+    from stagesafe.handoff.manifest import digest_of
+    from stagesafe.handoff.verify import verify
 
     options = dict(args.storage_options) or None
     try:

@@ -1,10 +1,11 @@
 """DeepSpeed ZeRO checkpoint folder -> the handoff format (safetensors shards, index, manifest), shard by shard.
 
-:func:`consolidate` reads the checkpoint lazily (:mod:`stagesafe.zero.checkpoint`) and writes with the store's
-own steps (:func:`stagesafe.handoff.store.write_shard`, :func:`stagesafe.handoff.store.commit`), so a consolidated checkpoint
-and a strategy handoff are the same format, written by the same code. Only the tensors of the shards being
-written are in memory. :func:`load_zero_checkpoint` reads a (small) checkpoint into memory instead, and
-:func:`inspect_checkpoint` describes a handoff or a ZeRO checkpoint without reading tensor data.
+:func:`consolidate` reads the checkpoint lazily (:mod:`stagesafe.zero.checkpoint`) and writes with the handoff's
+own steps (:func:`~stagesafe.handoff.plan.plan_specs`, :func:`~stagesafe.handoff.shards.write_shards`,
+:func:`~stagesafe.handoff.commit.commit`), so a consolidated checkpoint and a strategy handoff are the same format,
+planned and written by the same code. Only the tensors of the shards being written are in memory.
+:func:`load_zero_checkpoint` reads a (small) checkpoint into memory instead, and :func:`inspect_checkpoint`
+describes a handoff or a ZeRO checkpoint without reading tensor data.
 
 :func:`consolidate` and :func:`inspect_checkpoint` need no torch: dtypes are names, and the checkpoint's bytes go
 from the rank files to the shards as they are. Only a cast to another dtype (``dtype="bf16"``) imports torch,
@@ -13,27 +14,27 @@ whose rounding defines the result; :func:`load_zero_checkpoint` returns tensors,
 
 from __future__ import annotations
 
-import concurrent.futures
 import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from stagesafe.handoff import store
+from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
-from stagesafe.handoff.workers import Workers
-from stagesafe.progress import bytes_bar
+from stagesafe.handoff.commit import commit
+from stagesafe.handoff.folder import HandoffFolder
 from stagesafe.handoff.fs import join, list_files, resolve, url_of
-from stagesafe.handoff.plan import (
+from stagesafe.handoff.manifest import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
     MANIFEST_NAME,
     digest_of,
     is_shard_name,
     parse_size,
-    plan_shards,
-    shard_file_names,
 )
+from stagesafe.handoff.plan import HandoffPlan, plan_specs
+from stagesafe.handoff.read import read_manifest
+from stagesafe.handoff.shards import Pieces, write_shards
+from stagesafe.progress import bytes_bar
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
@@ -82,8 +83,8 @@ def consolidate(
     recorded as aliases in the manifest.
 
     ``workers`` shards are built and written at a time. The rank files are read one tensor at a time and their
-    pages given back, so memory is set by the shard writer: :func:`stagesafe.handoff.store.write_shard` holds a few
-    copies of each shard in flight (see docs/performance.md). ``progress``: a bar on stderr (default: when
+    pages given back, so memory is set by the shard writer: :func:`stagesafe.handoff.shards.write_shard` holds a
+    few copies of each shard in flight (see docs/performance.md). ``progress``: a bar on stderr (default: when
     stderr is a terminal). Nothing is left at ``dst`` if it fails; an existing handoff at ``dst`` is replaced
     atomically only with ``overwrite=True``.
     """
@@ -94,35 +95,22 @@ def consolidate(
     # the source first: a checkpoint that is not there says so before the destination's storage is asked anything
     with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
         fs, root = resolve(dst, storage_options)
-        _check_destination(fs, root, overwrite)
-        existed = fs.exists(root)
-        taken = store.live_files(fs, root)
+        created = _check_destination(fs, root, overwrite)
+        taken = live_files(fs, root)
         plan = _plan(ckpt, out_dtype, limit, taken=taken)
         bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
         if bar is not None:
             plan.state_dict.on_read = bar.update
-        metadata = {
-            "source": {
-                "url": ckpt.url,
-                "tag": ckpt.tag,
-                "layout": ckpt.layout,
-                "zero_stage": ckpt.stage,
-                "world_size": ckpt.world_size,
-                "deepspeed_version": ckpt.ds_version,
-            },
-            "dtype": out_dtype,
-            "exclude_frozen": bool(exclude_frozen),
-        }
         try:
-            records = _write_shards(fs, root, plan, workers, remove_root=not existed)
+            records = write_shards(fs, root, plan, workers=workers, remove_root=created)
         finally:
             if bar is not None:
                 bar.close()
         try:
-            return store.commit(fs, root, plan, records, metadata=metadata)
-        except BaseException:
+            return commit(fs, root, plan, records, metadata=_metadata(ckpt, out_dtype, exclude_frozen))
+        except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
             if not taken and not _exists(fs, join(root, MANIFEST_NAME)):  # no handoff there, before or now
-                _remove(fs, [join(root, name) for name in (*records, INDEX_NAME)], root if not existed else None)
+                HandoffFolder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
             raise  # else the index and the shards are an interrupted save's, which the next save cleans up
 
 
@@ -189,7 +177,7 @@ def inspect_checkpoint(
             f"{url_of(fs, root)!r} does not exist; pass a handoff folder or a DeepSpeed checkpoint folder"
         )
     try:
-        manifest = store.read_manifest(uri, storage_options=storage_options)
+        manifest = read_manifest(uri, storage_options=storage_options)
     except HandoffNotFoundError:
         if any(n == INDEX_NAME or is_shard_name(n) for n in list_files(fs, root)):
             raise  # model files without a manifest: the store's message says what happened
@@ -228,14 +216,31 @@ def _cast(tensor: torch.Tensor, out: str | None) -> torch.Tensor:
     return tensor.to(getattr(torch, target))
 
 
-def _check_destination(fs: Any, root: str, overwrite: bool) -> None:
+def _check_destination(fs: Any, root: str, overwrite: bool) -> bool:
     """Refuse a destination that is a file, or that holds a handoff unless ``overwrite`` (as
-    :func:`~stagesafe.handoff.store.save_state_dict` does)."""
+    :func:`~stagesafe.handoff.save.save_state_dict` does); return whether the folder is still to be created."""
     if fs.isfile(root):
         raise HandoffExistsError(f"destination {url_of(fs, root)!r} is a file; give a folder (it is created if missing)")
     if not overwrite:
-        fs.invalidate_cache(root)
-        store.refuse_existing_handoff(fs, root)
+        refuse_existing_handoff(fs, root)  # lists the folder afresh, past fsspec's listing cache
+    return not fs.exists(root)
+
+
+def _metadata(ckpt: ZeroCheckpoint, out_dtype: str | None, exclude_frozen: bool) -> dict[str, Any]:
+    """What the manifest records of a consolidation: the checkpoint it read, and how."""
+    return {"source": _source(ckpt), "dtype": out_dtype, "exclude_frozen": bool(exclude_frozen)}
+
+
+def _source(ckpt: ZeroCheckpoint) -> dict[str, Any]:
+    """Which checkpoint ``ckpt`` is: where, which tag, how DeepSpeed laid it out."""
+    return {
+        "url": ckpt.url,
+        "tag": ckpt.tag,
+        "layout": ckpt.layout,
+        "zero_stage": ckpt.stage,
+        "world_size": ckpt.world_size,
+        "deepspeed_version": ckpt.ds_version,
+    }
 
 
 class _LazyStateDict(Mapping):
@@ -246,13 +251,13 @@ class _LazyStateDict(Mapping):
         self._ckpt, self._out = ckpt, out
         self.on_read: Callable[[int], Any] | None = None  # told the bytes of each tensor read (a progress bar)
 
-    def __getitem__(self, name: str) -> torch.Tensor | store.Pieces:
+    def __getitem__(self, name: str) -> torch.Tensor | Pieces:
         spec = self._ckpt.tensors[name]
         out = _out_dtype(spec.dtype, self._out)
         if self.on_read is not None:
             self.on_read(spec.numel * ITEMSIZE[out])
         if out == spec.dtype:  # written from the rank files piece by piece, never joined into one tensor
-            return store.Pieces(spec.dtype, spec.shape, self._ckpt.pieces(name))
+            return Pieces(spec.dtype, spec.shape, self._ckpt.pieces(name))
         return _cast(self._ckpt.read(name), self._out)
 
     def __iter__(self) -> Iterator[str]:
@@ -262,67 +267,24 @@ class _LazyStateDict(Mapping):
         return len(self._ckpt.tensors)
 
 
-def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str]) -> store.HandoffPlan:
-    """The store's plan for the checkpoint, made from its description (no tensor is read). Every name, dtype and
-    shape is checked first: what safetensors cannot store is refused before a byte is written."""
+def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str]) -> HandoffPlan:
+    """The store's plan for the checkpoint (:func:`~stagesafe.handoff.plan.plan_specs`), made from its description
+    (no tensor is read, torch is not imported). Every name, dtype and shape is checked first: what safetensors
+    cannot store is refused before a byte is written."""
+    specs = {}
     for name in ckpt.state_dict_names():
         spec = ckpt.tensors[ckpt.aliases.get(name, name)]
+        specs[name] = {"dtype": _out_dtype(spec.dtype, out), "shape": list(spec.shape)}
         try:
-            check_tensor(name, _out_dtype(spec.dtype, out), spec.shape, where="the checkpoint's state dict")
+            check_tensor(name, specs[name]["dtype"], spec.shape, where="the checkpoint's state dict")
         except InvalidArgumentError as exc:
             raise CheckpointFormatError(
                 f"{ckpt.tag_url!r}: {exc}. Nothing was written; load_zero_checkpoint reads such a tensor into memory"
             ) from None
     sizes = {name: spec.numel * ITEMSIZE[_out_dtype(spec.dtype, out)] for name, spec in ckpt.tensors.items()}
-    groups = plan_shards(sizes.items(), limit)
-    files = shard_file_names(len(groups), taken=taken)
-    shards = dict(zip(files, groups))
-    described = {}
-    for name in ckpt.state_dict_names():
-        spec = ckpt.tensors[ckpt.aliases.get(name, name)]
-        described[name] = {"dtype": _out_dtype(spec.dtype, out), "shape": list(spec.shape)}
-    return store.HandoffPlan(
-        shards=shards,
-        weight_map={name: file for file, names in shards.items() for name in names},
-        tensors=described,
-        aliases=dict(ckpt.aliases),
-        total_size=sum(sizes.values()),
-        state_dict=_LazyStateDict(ckpt, out),
+    return plan_specs(
+        specs, ckpt.aliases, max_shard_size=limit, taken=taken, state_dict=_LazyStateDict(ckpt, out), sizes=sizes
     )
-
-
-def _write_shards(
-    fs: Any, root: str, plan: store.HandoffPlan, workers: int, *, remove_root: bool
-) -> dict[str, store.ShardRecord]:
-    """Build and write every shard of ``plan``, ``workers`` at a time; on failure remove what was written."""
-    lock = threading.Lock()
-    records: dict[str, store.ShardRecord] = {}
-
-    def one(file_name: str) -> None:
-        names = plan.shards[file_name]  # read from the checkpoint one tensor at a time, as the writer needs them
-        record = store.write_shard(fs, root, file_name, plan.state_dict, specs={n: plan.tensors[n] for n in names})
-        with lock:
-            records[file_name] = record
-
-    try:
-        if workers == 1 or len(plan.shards) == 1:
-            for file_name in plan.shards:
-                one(file_name)
-        else:
-            with Workers(workers, name="stagesafe-consolidate") as pool:
-                futures = [pool.submit(one, f) for f in plan.shards]
-                try:
-                    for future in concurrent.futures.as_completed(futures):
-                        future.result()
-                except BaseException:
-                    for future in futures:
-                        future.cancel()
-                    raise
-    except BaseException:
-        # never a live file: the plan's names avoid the committed handoff's
-        _remove(fs, [join(root, name) for name in records], root if remove_root else None)
-        raise
-    return records
 
 
 def _exists(fs: Any, path: str) -> bool:
@@ -330,20 +292,6 @@ def _exists(fs: Any, path: str) -> bool:
         return fs.exists(path)
     except Exception:  # noqa: BLE001 - the store is failing: say it exists, so nothing is removed
         return True
-
-
-def _remove(fs: Any, paths: list[str], root: str | None) -> None:
-    """Best effort: delete ``paths``, then ``root`` if it is left empty."""
-    for path in paths:
-        try:
-            fs.rm_file(path)
-        except OSError:
-            pass
-    try:
-        if root is not None and fs.isdir(root) and not fs.ls(root, detail=False):
-            fs.rmdir(root)
-    except OSError:
-        pass
 
 
 def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:
@@ -389,12 +337,7 @@ def _describe_zero(ckpt: ZeroCheckpoint) -> dict[str, Any]:
         )
     return {
         "kind": "deepspeed",
-        "url": ckpt.url,
-        "tag": ckpt.tag,
-        "layout": ckpt.layout,
-        "zero_stage": ckpt.stage,
-        "world_size": ckpt.world_size,
-        "deepspeed_version": ckpt.ds_version,
+        **_source(ckpt),
         "tensors": tensors,
         "totals": {
             "tensors": len(ckpt.tensors),

@@ -24,6 +24,7 @@ __all__ = [
     "DistributedStageError",
     "EngineReleasedError",
     "clip",
+    "describe",
     "shown",
 ]
 
@@ -83,9 +84,29 @@ class StorageTransferError(StageSafeError, OSError):
 
 
 class DistributedStageError(StageSafeError, RuntimeError):
-    """A failure on one or more ranks, raised on every rank so that none of them hangs."""
+    """A failure on one or more ranks, raised on every rank so that none of them hangs.
+
+    ``failures`` maps each failed rank to what it reported (as torch.distributed.checkpoint's
+    ``CheckpointException.failures`` does), so a caller can tell which ranks failed without parsing the message;
+    it is empty where a rank did not answer at all (the message names those)."""
+
+    def __init__(self, message: str, *, failures: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.failures: dict[int, str] = dict(failures or {})
+
+    def __reduce__(self):  # keep ``failures`` through pickling (a multiprocessing pool, a spawned test)
+        return (_distributed_stage_error, (str(self), self.failures))
+
+
+def _distributed_stage_error(message: str, failures: dict[int, str]) -> DistributedStageError:
+    return DistributedStageError(message, failures=failures)
 
 
 class EngineReleasedError(StageSafeError, RuntimeError):
     """The DeepSpeed engine was asked for after the Trainer call that built it returned: stagesafe destroys it
     there, and the module, its handoff and ``trainer.save_checkpoint`` hold what it held."""
+
+
+def describe(exc: BaseException) -> str:
+    """What a rank reports of its failure to the other ranks (a ``failures`` value): the error's type and message."""
+    return f"{type(exc).__name__}: {exc}"

@@ -12,7 +12,8 @@ from torch import nn
 
 from stagesafe.zero import engine as _zero
 from stagesafe.errors import StateDictMismatchError
-from stagesafe.handoff.store import load_state_dict
+from stagesafe.handoff.read import load_state_dict
+from stagesafe.zero.engine import full_shape, is_zero3_param
 
 __all__ = ["restore", "load_for", "check_fits", "assign_values"]
 
@@ -21,7 +22,7 @@ def _expected_shapes(module: nn.Module) -> dict[str, tuple[int, ...]]:
     """State-dict names and full shapes (a ZeRO-3 placeholder reports its real shape in ``ds_shape``)."""
     shapes: dict[str, tuple[int, ...]] = {}
     for name, param in module.named_parameters(remove_duplicate=False):
-        shapes[name] = tuple(getattr(param, "ds_shape", param.shape))
+        shapes[name] = tuple(full_shape(param))
     for prefix_module_name, sub in module.named_modules(remove_duplicate=False):
         prefix = f"{prefix_module_name}." if prefix_module_name else ""
         for buf_name, buf in sub._buffers.items():
@@ -88,7 +89,7 @@ def load_for(
 ) -> dict[str, torch.Tensor]:
     """The handoff's tensors, checked to fit ``module`` and placed as it holds its own (dtype, device); the
     module itself is not touched, so a caller can check every rank before any of them changes. ``progress``:
-    as :func:`~stagesafe.handoff.store.load_state_dict`'s."""
+    as :func:`~stagesafe.handoff.read.load_state_dict`'s."""
     values = load_state_dict(uri, storage_options=storage_options, progress=progress)
     check_fits(module, values)
     current = dict(module.named_parameters(remove_duplicate=False))
@@ -98,7 +99,7 @@ def load_for(
     for name, value in values.items():
         target = current[name]
         where = device if device is not None else ("cpu" if target.device.type == "meta" else target.device)
-        dtype = target.dtype if target.numel() or not hasattr(target, "ds_shape") else value.dtype
+        dtype = target.dtype if target.numel() or not is_zero3_param(target) else value.dtype
         placed[name] = value.to(device=where, dtype=dtype)
     return placed
 

@@ -1,8 +1,8 @@
 """``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
 
-Thin glue: each override hands the work to :mod:`stagesafe.lightning.boundary` (one call's passage), the
-strategy's :class:`~stagesafe.lightning.writer.HandoffWriter` (the background write of the handoff) and
-:mod:`stagesafe.lightning.agree` (the ranks agreeing through the job's key-value store).
+Thin glue: each override hands the work to :mod:`stagesafe.stages.boundary` (one call's passage), the
+strategy's :class:`~stagesafe.stages.writer.HandoffWriter` (the background write of the handoff) and
+:mod:`stagesafe.stages.channel` (the ranks agreeing through the job's key-value store).
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import logging
 import os
 from collections.abc import Generator
@@ -26,16 +27,27 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.errors import DistributedStageError, EngineReleasedError, HandoffNotReadyError, InvalidArgumentError
-from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.plan import DEFAULT_MAX_SHARD_SIZE, parse_size
-from stagesafe.lightning.agree import Ending, JobChannel, agree_on_ending
-from stagesafe.lightning.boundary import BoundaryReport, StageBoundary
-from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy
-from stagesafe.lightning.history import HandoffTarget, KeptTraining, history_of, state_tensors
-from stagesafe.lightning.location import Location, agree_on_location
-from stagesafe.lightning.writer import HandoffWriter
-from stagesafe.zero import engine as zero
+from stagesafe.errors import DistributedStageError, EngineReleasedError, InvalidArgumentError
+from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
+from stagesafe.stages import collectives
+from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
+from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
+from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.trainer_messages import boundary_line, say_committed, warn_if_fit_has_nothing_left
+from stagesafe.strategy_arguments import (
+    check_between_stages,
+    check_keywords,
+    check_local_handoff,
+    checked_bool,
+    checked_storage_options,
+    checked_url,
+    inference_config,
+)
+from stagesafe.stages.between_calls import has_meta_tensors, kept_training, weights_between_calls
+from stagesafe.stages.history import HandoffTarget, history_of
+from stagesafe.stages.location import Location, agree_on_location
+from stagesafe.stages.writer import HandoffWriter
+from stagesafe.zero import engine as zero_engine
 from stagesafe.zero.checkpoint_writer import (
     holds_optimizer_state,
     is_weights_only,
@@ -49,7 +61,6 @@ log = logging.getLogger(__name__)
 
 _DEFAULT_HANDOFF_DIR = "stagesafe_handoff"
 _FAILURE_GRACE = 60.0  # seconds a rank whose call failed waits for the others before it keeps its own weights
-_BETWEEN_STAGES = ("cpu", "meta")
 
 
 class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
@@ -98,34 +109,25 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
-        _check_keywords(kwargs)
+        known = {*inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters}
+        check_keywords(kwargs, known | {*inspect.signature(DeepSpeedStrategy.__init__).parameters}, owner=type(self).__name__)
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
-        if storage_options is not None and not isinstance(storage_options, Mapping):
-            raise TypeError(f"storage_options must be a dict of fsspec options, got {type(storage_options).__name__}")
-        self.storage_options = dict(storage_options or {})
-        self.handoff_uri = _checked_url("handoff_uri", handoff_uri, self.storage_options)
-        self.resume_from = _checked_url("resume_from", resume_from, self.storage_options)
-        if self.resume_from is not None and not _ranks_can_agree():
-            _check_local_handoff("resume_from", self.resume_from, self.storage_options)
+        self.storage_options = checked_storage_options(storage_options)
+        self.handoff_uri = checked_url("handoff_uri", handoff_uri, self.storage_options)
+        self.resume_from = checked_url("resume_from", resume_from, self.storage_options)
+        if self.resume_from is not None and not collectives.is_up():
+            # With a process group up (a job that runs several Trainers), every rank looks at the stage together,
+            # so that no rank fails alone while the others wait for it; before it, a rank that fails ends the job
+            # through its launcher.
+            check_local_handoff("resume_from", self.resume_from, self.storage_options)
         parse_size(max_shard_size)
         self.max_shard_size = max_shard_size
-        if between_stages not in _BETWEEN_STAGES:
-            raise InvalidArgumentError(
-                f"between_stages={between_stages!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)"
-            )
-        if between_stages == "meta" and isinstance(self.config, dict) and not self.zero_stage_3:
-            raise InvalidArgumentError(
-                "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
-                "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
-            )
+        config_known = isinstance(self.config, dict)  # a config file is read later
+        check_between_stages(between_stages, zero_stage_3=bool(self.zero_stage_3) if config_known else None)
         self.between_stages = between_stages
-        if not isinstance(wait_for_write, bool):
-            raise TypeError(f"wait_for_write must be True or False, got {wait_for_write!r}")
-        self.wait_for_write = wait_for_write
-        if not isinstance(keep_optimizer_state, bool):
-            raise TypeError(f"keep_optimizer_state must be True or False, got {keep_optimizer_state!r}")
-        self.keep_optimizer_state = keep_optimizer_state
+        self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
+        self.keep_optimizer_state = checked_bool("keep_optimizer_state", keep_optimizer_state)
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None
@@ -149,8 +151,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank."""
         module = self.lightning_module
         fresh = module is not None and history_of(module) is None
-        if self.resume_from is not None and fresh and not _ranks_can_agree():
-            from stagesafe.handoff.store import read_manifest
+        if self.resume_from is not None and fresh and not collectives.is_up():
+            from stagesafe.handoff.read import read_manifest
 
             read_manifest(self.resume_from, storage_options=self.storage_options or None)
         super().setup_environment()
@@ -165,7 +167,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         with super().model_sharded_context():
             yield
         if module is not None:
-            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and hasattr(p, "ds_id")}
+            self._fresh = {id(p) for p in module.parameters() if id(p) not in before and zero_engine.is_zero3_param(p)}
 
     @override
     def setup(self, trainer: "pl.Trainer") -> None:
@@ -174,23 +176,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         target = self._handoff_target(trainer)
         writer = self._writer_for(target)
         self._calls += 1
-        stage = trainer.state.fn.value
-        writer.check(f"entering {stage}")  # a failed background write is raised here, on every rank
-        _warn_if_fit_has_nothing_left(trainer)
-        meta = self.between_stages == "meta"
-        boundary = StageBoundary(
-            module,
-            target,
-            stage,
-            writer=writer,
-            meta=meta,
-            materialize=self._partition_from_handoff if meta else None,
-            training=trainer.state.fn == TrainerFn.FITTING,
-            device=self.root_device,
-            fresh=self._fresh,
-            keep_optimizer_state=self.keep_optimizer_state,
-            exclude_frozen=self.exclude_frozen_parameters,
-        )
+        writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
+        warn_if_fit_has_nothing_left(trainer)
+        boundary = StageBoundary(module, target, self._stage_options(trainer), writer=writer)
         self._fresh = set()
         resume = None
         if self.resume_from is not None:
@@ -202,12 +190,28 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         super().setup(trainer)
         boundary.engine_built(self.model, training=trainer.state.fn == TrainerFn.FITTING)
 
+    def _stage_options(self, trainer: "pl.Trainer") -> StageOptions:
+        """How this call's boundary runs: this strategy's arguments, the call's kind and device."""
+        meta = self.between_stages == "meta"
+        return StageOptions(
+            trainer.state.fn.value,
+            meta=meta,
+            materialize=self._partition_from_handoff if meta else None,
+            training=trainer.state.fn == TrainerFn.FITTING,
+            device=self.root_device,
+            fresh=frozenset(self._fresh),
+            keep_optimizer_state=self.keep_optimizer_state,
+            exclude_frozen=self.exclude_frozen_parameters,
+        )
+
     def _writer_for(self, target: HandoffTarget) -> HandoffWriter:
         """This strategy's writer, made at its first stage once the ranks agree on the handoff folder."""
         if self._location is not None and self._location[0] == target.uri and self._writer is not None:
             return self._writer
         if self._writer is not None and self._writer.pending:
             self._writer.join()
+        for writer in self._writers():  # the module's writer of another strategy: collectives follow
+            writer.wait_device()
         location = agree_on_location(target)
         if location.writers < self.world_size and self.between_stages == "meta":
             raise InvalidArgumentError(
@@ -218,7 +222,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._location = (target.uri, location)
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
         channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
-        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=_said_committed)
+        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=say_committed)
         return self._writer
 
     def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
@@ -229,7 +233,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         assert isinstance(self.config, dict)
         enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
         dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
-        zero.partition_from_values(self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device)
+        zero_engine.partition_from_values(
+            self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device
+        )
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         uri = self.handoff_uri
@@ -256,16 +262,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         import deepspeed
 
         assert isinstance(self.config, dict)
-        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
-        for key in ("fp16", "bf16"):
-            if key in self.config:
-                inference_config[key] = copy.deepcopy(self.config[key])
-        if self.zero_stage_3:
-            inference_config["zero_allow_untested_optimizer"] = self.config.get("zero_allow_untested_optimizer", True)
-            inference_config["zero_optimization"] = copy.deepcopy(self.config["zero_optimization"])
         engine, _, _, _ = deepspeed.initialize(
             args=argparse.Namespace(device_rank=self.root_device.index),
-            config=inference_config,
+            config=inference_config(self.config, zero_stage_3=self.zero_stage_3),
             model=model,
             optimizer=None,
             lr_scheduler=None,
@@ -296,6 +295,24 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._before_collective()
         with self._named_if_broken():
             return super().broadcast(obj, src)
+
+    @override
+    def reduce(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().reduce(*args, **kwargs)
+
+    @override
+    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().all_gather(*args, **kwargs)
+
+    @override
+    def reduce_boolean_decision(self, *args: Any, **kwargs: Any) -> bool:
+        self._before_collective()
+        with self._named_if_broken():
+            return super().reduce_boolean_decision(*args, **kwargs)
 
     def _before_collective(self) -> None:
         """No collective while a writer still needs the device (its copies would queue behind it); after a
@@ -343,7 +360,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     @property
     def _engine_is_live(self) -> bool:
-        return zero.is_engine(self.model)
+        return zero_engine.is_engine(self.model)
 
     @property
     @override
@@ -373,7 +390,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             if self.is_global_zero:  # rank 0's path is the one stock broadcast; DeepSpeed wrote 'latest' there
                 holds_optimizer_state(os.fspath(filepath))
             return
-        filepath = self.broadcast(filepath)
+        self._save_between_stages(checkpoint, self.broadcast(filepath), storage_options)
+
+    def _save_between_stages(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any]) -> None:
+        """The folder ``save_checkpoint`` writes when no engine is live (see there), on every rank."""
         if storage_options is not None:
             raise TypeError(
                 "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not supported for "
@@ -391,7 +411,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 "deepspeed-zero-stage-3-single-file for instructions."
             )
         client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        kept, missing = self._kept_training(module)
+        kept, missing = kept_training(module, world_size=self.world_size)
         if kept is not None:
             assert kept.checkpoint is not None
             client["lr_schedulers"] = kept.lr_schedulers
@@ -407,42 +427,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 "optimizer afresh from these weights."
             )
         if self.is_global_zero:
-            values = self._weights_between_stages(module)
+            values = weights_between_calls(module, self._writers())
             write_zero_checkpoint(
                 os.fspath(filepath), module, values=values, zero_stage=self._zero_stage, client_state=client,
                 exclude_frozen=self.exclude_frozen_parameters,
             )
-
-    def _kept_training(self, module: Module) -> tuple[Optional[KeptTraining], str]:
-        """The last fit's kept engine state where it still belongs to the module's weights, else why not."""
-        history = history_of(module)
-        kept = history.kept if history is not None else None
-        if kept is None:
-            return None, "no fit under StageSafeDeepSpeedStrategy has trained this module's weights in this process"
-        if kept.checkpoint is None:
-            return None, kept.missing
-        if not kept.holds(state_tensors(module)):
-            return None, "the module's weights changed since the last fit ended, and its optimizer state with them"
-        if kept.world_size != self.world_size:
-            return None, f"it was kept by {kept.world_size} rank(s) and this job has {self.world_size}"
-        return kept, ""
-
-    def _weights_between_stages(self, module: Module) -> Optional[Mapping[str, Any]]:
-        """None when the module holds its weights; its handoff's when it holds meta tensors."""
-        if not _has_meta_tensors(module):
-            return None
-        history = history_of(module)
-        if history is None or history.target is None:
-            raise ValueError("the module holds meta tensors and no handoff holds its weights: nothing to save")
-        for writer in self._writers():
-            if writer.pending_uri == history.target.uri:
-                raise HandoffNotReadyError(
-                    f"the handoff {history.target.uri!r} that holds the module's weights is still being written: call "
-                    "strategy.wait_for_handoff() on every rank before trainer.save_checkpoint(...)"
-                )
-        from stagesafe.handoff.store import load_state_dict
-
-        return load_state_dict(history.target.uri, storage_options=history.target.storage_options)
 
     @property
     def _zero_stage(self) -> int:
@@ -493,7 +482,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             if boundary is not None:
                 self._leave(boundary)
         finally:
-            if self.lightning_module is not None and _has_meta_tensors(self.lightning_module):
+            if self.lightning_module is not None and has_meta_tensors(self.lightning_module):
                 self._teardown_without_moving_the_module()
             else:
                 super().teardown()
@@ -548,21 +537,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             self._log_boundary(self.last_boundary, waited=True)
 
     def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
-        if not self.is_global_zero:
-            return
-        if report.wrote and not waited:
-            written = "being written in the background"
-        else:
-            written = "written" if report.wrote else "unchanged"
-        log.info(
-            "stagesafe: %s boundary %.2fs; handoff %s at %s%s%s",
-            report.stage,
-            report.seconds,
-            written,
-            report.uri,
-            f" ({_megabytes(report.handoff_bytes)})" if report.handoff_bytes else "",
-            "" if report.clean else f"; NOT clean: {report.stale_problems}",
-        )
+        if self.is_global_zero:
+            log.info("%s", boundary_line(report, waited=waited))
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
@@ -614,94 +590,6 @@ class _StageReturned(Callback):
         strategy = trainer.strategy
         if isinstance(strategy, StageSafeDeepSpeedStrategy):
             strategy._stage_returned()
-
-
-def _warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
-    """Lightning's ``fit`` on a Trainer that already reached its ``max_epochs``/``max_steps`` returns at once
-    without training; users who reuse one Trainer across stages meet that silently."""
-    loop = trainer.fit_loop
-    if trainer.state.fn != TrainerFn.FITTING or trainer.ckpt_path is not None:
-        return
-    steps = loop.max_steps not in (None, -1) and loop.epoch_loop.global_step >= loop.max_steps
-    epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
-    if steps or epochs:
-        limit = f"max_steps={loop.max_steps}" if steps else f"max_epochs={loop.max_epochs}"
-        rank_zero_warn(
-            f"this Trainer has already trained to {limit}: fit will return without a step. To train on, raise "
-            f"trainer.fit_loop.{'epoch_loop.max_steps' if steps else 'max_epochs'} before calling fit, or use a new "
-            "Trainer (the module keeps its weights across Trainers)"
-        )
-
-
-def _checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Optional[str]:
-    """A str URL whose fsspec protocol is known and installed (nothing is read or written yet)."""
-    if value is None:
-        return None
-    if not isinstance(value, (str, os.PathLike)):
-        raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
-    resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
-    return os.fspath(value)
-
-
-def _said_committed(uri: str, commit: Any, seconds: float) -> None:
-    """Rank 0's line, at Lightning's default level, once a background write has committed."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-    size = sum(record["size"] for record in commit.manifest["shards"].values())
-    metadata = commit.manifest.get("metadata", {})
-    what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
-    rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {_megabytes(size)} in {seconds:.1f} s)")
-
-
-def _ranks_can_agree() -> bool:
-    """A process group is up (a job that runs several Trainers): a handoff one rank cannot see is then found
-    by every rank together at the stage, so that no rank fails alone while the others wait for it. Before
-    it, a rank that fails ends the job through its launcher (Lightning's, torchrun)."""
-    import torch.distributed
-
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-def _check_keywords(kwargs: Mapping[str, Any]) -> None:
-    """A misspelt argument names this class and the argument meant, not Lightning's base class."""
-    import difflib
-    import inspect
-
-    known = set(inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters)
-    known |= set(inspect.signature(DeepSpeedStrategy.__init__).parameters)
-    for name in kwargs:
-        if name not in known:
-            close = difflib.get_close_matches(name, sorted(known - {"self", "args", "kwargs"}), n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise TypeError(f"StageSafeDeepSpeedStrategy() got an unexpected keyword argument {name!r}{hint}")
-
-
-def _check_local_handoff(name: str, url: str, storage_options: Mapping[str, Any]) -> None:
-    """A handoff on the local disk is looked at now, so that a mistyped path fails here and not once every
-    rank has started; one elsewhere is read at the first stage (every rank, before DeepSpeed starts)."""
-    from stagesafe.errors import HandoffNotFoundError
-    from stagesafe.handoff.fs import is_local
-    from stagesafe.handoff.plan import MANIFEST_NAME
-
-    fs, root = resolve(url, dict(storage_options))
-    if not is_local(fs):
-        return
-    if not os.path.isdir(root):
-        raise HandoffNotFoundError(f"{name}={url!r}: there is no such folder; pass the folder of a committed handoff")
-    if not os.path.isfile(os.path.join(root, MANIFEST_NAME)):
-        raise HandoffNotFoundError(
-            f"{name}={url!r} holds no committed handoff (no {MANIFEST_NAME}); pass the folder a strategy's handoff_uri "
-            "or stagesafe.save_state_dict wrote (a DeepSpeed checkpoint folder: consolidate it first, "
-            "stagesafe consolidate SRC DST)"
-        )
-
-
-def _has_meta_tensors(module: Module) -> bool:
-    return any(t.device.type == "meta" for t in module.state_dict(keep_vars=True).values() if hasattr(t, "device"))
-
-
-def _megabytes(n: int) -> str:
-    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
 def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:

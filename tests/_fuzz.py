@@ -244,7 +244,7 @@ def handoff_cases(draw) -> Callable[[str], None]:
             described = _described(blob) if forge_tensors else None
 
             from stagesafe.handoff.digest import hash_buffer
-            from stagesafe.handoff.plan import digest_of
+            from stagesafe.handoff.manifest import digest_of
 
             def edit(m: dict) -> None:
                 m["shards"][shard] = {digest_of(m): hash_buffer(digest_of(m), blob), "size": len(blob)}
@@ -270,7 +270,7 @@ def handoff_cases(draw) -> Callable[[str], None]:
                 doc = json.load(f)
             _set_somewhere(doc, path, value)
             if kind == "manifest" and recompute:
-                from stagesafe.handoff.plan import manifest_checksum
+                from stagesafe.handoff.manifest import manifest_checksum
 
                 with contextlib.suppress(Exception):
                     doc["checksum"] = manifest_checksum(doc)
@@ -385,7 +385,7 @@ def check_handoff(workdir: str, state_dict: dict[str, torch.Tensor], damage: Cal
     from safetensors import deserialize
 
     from stagesafe import load_state_dict, read_manifest, save_state_dict, verify
-    from stagesafe.handoff.store import HandoffReader
+    from stagesafe.handoff.read import HandoffReader
 
     root, other = os.path.join(workdir, "h"), os.path.join(workdir, "other")
     save_state_dict(state_dict, root, max_shard_size=16)

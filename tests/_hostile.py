@@ -3,7 +3,7 @@
 Shared by the tests of the readers and by ``benchmarks/fuzz_hostile.py``: safetensors files with any header,
 handoffs whose manifest is forged to match them (its checksum recomputed), FIFOs and symbolic links in place of
 files, and an audit hook that records every file the process opens, so that a test can assert that nothing
-outside a folder was opened.
+outside a folder was opened, or swaps a file at the moment a reader opens it.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ INDEX, MANIFEST = "model.safetensors.index.json", "stagesafe.json"
 __all__ = [
     "INDEX",
     "MANIFEST",
+    "before_opening",
     "forge_manifest",
     "torch_save_pickle",
     "traced_peak",
@@ -48,7 +49,7 @@ def safetensors_bytes(header: Any = None, data: bytes = b"", *, raw: bytes | Non
 def forge_manifest(root: str, edit: Callable[[dict], None]) -> dict:
     """Change the manifest of the local handoff ``root`` with ``edit`` and make its checksum match again, as an
     attacker who read the format would; the index gets the same weight map."""
-    from stagesafe.handoff.plan import manifest_checksum
+    from stagesafe.handoff.manifest import manifest_checksum
 
     path = os.path.join(root, MANIFEST)
     with open(path) as f:
@@ -71,7 +72,7 @@ def replace_shard(root: str, data: bytes, tensors: Mapping[str, tuple[str, list[
         f.write(data)
 
     from stagesafe.handoff.digest import hash_buffer
-    from stagesafe.handoff.plan import digest_of
+    from stagesafe.handoff.manifest import digest_of
 
     def edit(manifest: dict) -> None:
         manifest["shards"][shard] = {digest_of(manifest): hash_buffer(digest_of(manifest), data), "size": len(data)}
@@ -210,6 +211,42 @@ def audit_events() -> contextlib.AbstractContextManager[list[str]]:
     ``open``, ``subprocess.Popen``, ...): what running code a file names would show."""
     return _recording(lambda event, args: event)
 
+
+
+_swaps: list[list] = []  # [path, action, times left]: see before_opening
+_swapping = threading.local()
+_swap_hooked = False
+
+
+def _swap(event: str, args: tuple) -> None:
+    if not _swaps or getattr(_swapping, "on", False):
+        return
+    path = _opened_path(event, args)
+    for entry in list(_swaps):
+        if path == entry[0] and entry[2] > 0:
+            entry[2] -= 1
+            _swapping.on = True  # what the action does raises audit events of its own
+            try:
+                entry[1]()
+            finally:
+                _swapping.on = False
+
+
+@contextlib.contextmanager
+def before_opening(path: str, action: Callable[[], None], *, times: int = 1) -> Iterator[list]:
+    """Run ``action`` when the process asks to open ``path`` (the exact string it passes), before the open
+    happens, ``times`` times at most while the block runs: a file swapped between a reader's check and its
+    open, at that moment every time instead of by chance. Yields ``[path, action, times left]``."""
+    global _swap_hooked
+    if not _swap_hooked:
+        sys.addaudithook(_swap)
+        _swap_hooked = True
+    entry = [path, action, times]
+    _swaps.append(entry)
+    try:
+        yield entry
+    finally:
+        _swaps.remove(entry)
 
 
 def outside(paths: list[str], folder: str) -> list[str]:

@@ -1,6 +1,10 @@
-"""Launch test scripts as real processes: N ranks of a torch.distributed script, or one script that spawns its own.
+"""Launch test scripts as real processes: N ranks of a torch.distributed script, or one script that spawns its own;
+run N ranks as threads of the test's own process, each with its channel on one real key-value store
+(:func:`on_every_rank`, :func:`store_channels`: for code that coordinates through the store); or run test
+functions on N ranks of a gloo process group kept alive across tests (:class:`GlooRanks`: for collectives, which
+need a process per rank).
 
-Both helpers give the child a sanitized environment (no inherited rendezvous variables, CPU accelerator for
+The launching helpers give the child a sanitized environment (no inherited rendezvous variables, CPU accelerator for
 DeepSpeed, one OpenMP thread) and, on failure or timeout, raise :class:`LaunchError` carrying every process's
 exit code and the tail of its stderr, so that a failing distributed test says why instead of hanging.
 """
@@ -9,23 +13,35 @@ from __future__ import annotations
 
 import functools
 import json
+import multiprocessing
 import os
+import pickle
+import queue
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
 
 __all__ = [
     "ZERO_CHECKPOINT_SPECS",
+    "GlooRanks",
     "LaunchError",
     "ProcessResult",
     "free_port",
+    "on_every_rank",
     "run_ranks",
     "run_script",
     "sanitized_env",
+    "store_channels",
+    "two_ranks",
     "zero_checkpoints",
 ]
 
@@ -221,3 +237,157 @@ def zero_checkpoints(
     if not done:
         raise LaunchError("make_zero_checkpoint.py exited 0 without its DONE line", results)
     return {item["name"]: item for item in json.loads(done[-1][len("DONE ") :])}
+
+
+def on_every_rank(fn: Callable[[int], object], world: int, *, timeout: float = 60) -> list:
+    """Run ``fn(rank)`` in one thread per rank of this process; return each rank's result, or the exception
+    it raised (a rank still running after ``timeout`` seconds fails the test)."""
+    results: list = [None] * world
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001 - the test inspects each rank's outcome
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"test-rank-{r}") for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"a rank is still running after {timeout} s"
+    return results
+
+
+def store_channels(world: int, *, timeout: float = 30.0, prefix: str = "t") -> list:
+    """One :class:`~stagesafe.stages.channel.JobChannel` per rank on a real ``TCPStore`` on a free port: rank
+    0's store serves, the others connect to it, as the ranks of a job do (rank ``r`` at index ``r``)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from stagesafe.stages.channel import JobChannel
+
+    wait = datetime.timedelta(seconds=max(timeout, 30.0))
+    server = dist.TCPStore("127.0.0.1", 0, world, True, wait_for_workers=False, timeout=wait)
+    stores = [server] + [dist.TCPStore("127.0.0.1", server.port, world, False, timeout=wait) for _ in range(1, world)]
+    return [JobChannel(store, rank=r, world=world, prefix=prefix, timeout=timeout) for r, store in enumerate(stores)]
+# -- test functions on the ranks of a gloo process group, in this test run ------------------------------------
+
+
+class GlooRanks:
+    """``world_size`` spawned processes that stay up across tests (torch is imported once), each a rank of a
+    fresh gloo process group for every :meth:`run` (a FileStore under ``folder``), so one test's broken
+    collective cannot break the next test's.
+
+    ``run(fn, *args)`` calls the module-level ``fn(*args)`` on every rank at once and returns, in rank order,
+    what each returned, or the exception it raised (``KeyboardInterrupt`` too). A collective waits at most
+    ``timeout`` seconds; a rank that gives no answer in about twice that fails the test, and the ranks are
+    started afresh for the next call. The processes inherit this one's environment.
+    """
+
+    def __init__(self, folder: str, world_size: int = 2, *, timeout: float = 20.0) -> None:
+        self.folder, self.world_size, self.timeout = folder, world_size, timeout
+        self._context = multiprocessing.get_context("spawn")
+        self._processes: list[Any] = []
+        self._jobs: list[Any] = []
+        self._answers: Any = None
+        self._calls = 0
+
+    def __enter__(self) -> "GlooRanks":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def _start(self) -> None:
+        self._answers = self._context.Queue()
+        self._jobs = [self._context.Queue() for _ in range(self.world_size)]
+        self._processes = [
+            self._context.Process(
+                target=_serve_rank, args=(r, self.world_size, self._jobs[r], self._answers), daemon=True
+            )
+            for r in range(self.world_size)
+        ]
+        for process in self._processes:
+            process.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        if not self._processes:
+            self._start()
+        self._calls += 1
+        store = os.path.join(self.folder, f"store-{self._calls}")
+        for jobs in self._jobs:
+            jobs.put((store, self.timeout, fn, args))
+        answers: dict[int, Any] = {}
+        deadline = time.monotonic() + 2 * self.timeout + 30  # the first call also waits for the imports
+        while len(answers) < self.world_size:
+            try:
+                rank, answer = self._answers.get(timeout=1.0)
+            except queue.Empty:
+                dead = {r: p.exitcode for r, p in enumerate(self._processes) if not p.is_alive()}
+                if dead or time.monotonic() > deadline:
+                    silent = sorted(set(range(self.world_size)) - set(answers))
+                    self.close()
+                    raise AssertionError(
+                        f"{fn.__name__}: no answer from rank(s) {silent}" + (f"; exit codes {dead}" if dead else "")
+                    ) from None
+                continue
+            answers[rank] = pickle.loads(answer)
+        return [answers[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        for jobs, process in zip(self._jobs, self._processes):
+            if process.is_alive():
+                jobs.put(None)
+        for process in self._processes:
+            process.join(10)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        self._processes, self._jobs = [], []
+
+
+def _serve_rank(rank: int, world_size: int, jobs: Any, answers: Any) -> None:
+    """One rank of :class:`GlooRanks`: a process group per job, the job's outcome pickled back."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    while (job := jobs.get()) is not None:
+        path, timeout, fn, args = job
+        store = dist.FileStore(path, world_size)
+        store.set_timeout(timedelta(seconds=timeout))
+        try:
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout))
+            try:
+                outcome = fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - an interrupt is an outcome the tests look at
+                outcome = exc
+            _meet(store, "ran", rank, world_size)  # no rank leaves the group while another may still use it
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - the process group itself failed: the test is told
+            outcome = exc
+        _meet(store, "left", rank, world_size)  # nor joins the next one before every rank has left this one
+        try:
+            answer = pickle.dumps(outcome)
+        except Exception as exc:  # noqa: BLE001 - said instead of lost
+            answer = pickle.dumps(RuntimeError(f"rank {rank}: cannot send {outcome!r} back ({exc})"))
+        answers.put((rank, answer))
+
+
+def _meet(store: Any, name: str, rank: int, world_size: int) -> None:
+    """Wait, through the store and at most its timeout, until every rank has reached ``name``."""
+    store.set(f"{name}/{rank}", "1")
+    try:
+        store.wait([f"{name}/{r}" for r in range(world_size)])
+    except Exception:  # noqa: BLE001 - a rank that does not come is the test's to report
+        pass
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two gloo ranks for the tests of one module (import this fixture into it)."""
+    with GlooRanks(str(tmp_path_factory.mktemp("gloo")), world_size=2) as ranks:
+        yield ranks

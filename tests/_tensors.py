@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import torch
 
-__all__ = ["bits", "assert_bitwise_equal"]
+__all__ = ["bits", "assert_bitwise_equal", "Unwritable"]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -20,3 +20,14 @@ def assert_bitwise_equal(actual: Mapping[str, torch.Tensor], expected: Mapping[s
         got = actual[name]
         assert got.dtype == want.dtype and got.shape == want.shape, name
         assert torch.equal(bits(got), bits(want)), name
+
+
+class Unwritable(torch.Tensor):
+    """A tensor whose bytes cannot be read for writing: a real failure inside the shard writer."""
+
+    @staticmethod
+    def __new__(cls, base):
+        return torch.Tensor._make_subclass(cls, base)
+
+    def contiguous(self, *args, **kwargs):
+        raise RuntimeError("this tensor cannot be written")

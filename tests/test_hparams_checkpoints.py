@@ -14,7 +14,7 @@ import pytest
 from _launch import SCRIPTS, run_ranks
 
 from stagesafe.cli import main
-from stagesafe.handoff.store import load_state_dict
+from stagesafe.handoff.read import load_state_dict
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -94,8 +94,8 @@ def test_fit_again_on_a_trainer_that_reached_max_steps_says_it_will_not_train(tm
 _STALLED = """
 import signal, sys, torch, torch.distributed as dist
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores Ctrl+C)
-from stagesafe.lightning.agree import JobChannel
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.channel import JobChannel
+from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, where = sys.argv[1], sys.argv[2]
 writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600), writers=2, timeout=600)
 writer.start(WriteRequest(values={"w": torch.ones(3)}, uri=uri, storage_options=None, max_shard_size="1GB", metadata={}))
@@ -128,8 +128,8 @@ def test_a_signal_ends_a_process_whose_write_waits_for_a_rank_that_is_gone(tmp_p
 _COMMITTED_THEN_WAITING = """
 import signal, sys, torch, torch.distributed as dist
 signal.signal(signal.SIGINT, signal.default_int_handler)
-from stagesafe.lightning.agree import JobChannel
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.channel import JobChannel
+from stagesafe.stages.writer import HandoffWriter, WriteRequest
 channel = JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600)
 writer = HandoffWriter(channel, writers=1, timeout=600)  # rank 0 writes it all; rank 1 never says it has left
 writer.start(WriteRequest(values={"w": torch.ones(3)}, uri=sys.argv[1], storage_options=None, max_shard_size="1GB",

@@ -207,38 +207,41 @@ def _saved(tmp: str) -> tuple[str, dict]:
     return url, manifest
 
 
+def _a_shard(data: st.DataObject, tmp: str) -> tuple[str, str, bytes]:
+    """A copy of the template handoff under ``tmp``, one of its shards drawn, and that shard's bytes."""
+    url, manifest = _saved(tmp)
+    shard = data.draw(st.sampled_from(sorted(manifest["shards"])))
+    return url, shard, (Path(url) / shard).read_bytes()
+
+
+def _refused(url: str, shard: str, damaged: bytes) -> None:
+    """``shard`` replaced by ``damaged``: verify and load both refuse it, naming it."""
+    (Path(url) / shard).write_bytes(damaged)
+    for reader in (verify, load_state_dict):
+        with pytest.raises(HandoffCorruptError, match=f"shard {shard!r}"):
+            reader(url)
+
+
 @SETTINGS
 @given(data=st.data())
 def test_any_flipped_bit_in_any_shard_is_refused_naming_the_shard(data):
     with tempfile.TemporaryDirectory() as tmp:
-        url, manifest = _saved(tmp)
-        shard = data.draw(st.sampled_from(sorted(manifest["shards"])))
-        path = Path(url) / shard
-        raw = bytearray(path.read_bytes())
-        offset = data.draw(st.integers(0, len(raw) - 1))
-        raw[offset] ^= 1 << data.draw(st.integers(0, 7))
-        path.write_bytes(bytes(raw))
-        for reader in (verify, load_state_dict):
-            with pytest.raises(HandoffCorruptError, match=f"shard {shard!r}"):
-                reader(url)
+        url, shard, raw = _a_shard(data, tmp)
+        raw = bytearray(raw)
+        raw[data.draw(st.integers(0, len(raw) - 1))] ^= 1 << data.draw(st.integers(0, 7))
+        _refused(url, shard, bytes(raw))
 
 
 @SETTINGS
 @given(data=st.data())
 def test_any_truncation_or_extension_of_a_shard_is_refused(data):
     with tempfile.TemporaryDirectory() as tmp:
-        url, manifest = _saved(tmp)
-        shard = data.draw(st.sampled_from(sorted(manifest["shards"])))
-        path = Path(url) / shard
-        raw = path.read_bytes()
+        url, shard, raw = _a_shard(data, tmp)
         if data.draw(st.booleans()):
             raw = raw[: data.draw(st.integers(0, len(raw) - 1))]
         else:
             raw = raw + data.draw(st.binary(min_size=1, max_size=64))
-        path.write_bytes(raw)
-        for reader in (verify, load_state_dict):
-            with pytest.raises(HandoffCorruptError, match=f"shard {shard!r}"):
-                reader(url)
+        _refused(url, shard, raw)
 
 
 @SETTINGS

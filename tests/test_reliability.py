@@ -36,8 +36,9 @@ from stagesafe.errors import (
     InvalidArgumentError,
     StorageTransferError,
 )
-from stagesafe.handoff.plan import manifest_checksum
-from stagesafe.handoff.store import ORPHAN_AGE, RetryPolicy
+from stagesafe.handoff.manifest import manifest_checksum
+from stagesafe.handoff.cleanup import ORPHAN_AGE
+from stagesafe.handoff.retry import RetryPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

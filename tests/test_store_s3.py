@@ -23,7 +23,10 @@ from stagesafe.errors import (
     StorageTransferError,
 )
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
-from stagesafe.handoff.store import RetryPolicy, load_state_dict, read_manifest, save_state_dict, verify
+from stagesafe.handoff.read import load_state_dict, read_manifest
+from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.handoff.save import save_state_dict
+from stagesafe.handoff.verify import verify
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,5 +1,6 @@
-"""StageSafeDeepSpeedStrategy's own arguments: every one is checked when the strategy is made, before any
-process starts, and the user's config dict is never kept."""
+"""StageSafeDeepSpeedStrategy's own logic, in this process: its arguments (every one is checked when the strategy
+is made, before any process starts, and the user's config dict is never kept), the inference engine's config, and
+what a Trainer call leaves behind (the boundary's report, the released engine) on one CPU rank."""
 
 from __future__ import annotations
 
@@ -72,7 +73,7 @@ def test_a_local_resume_from_that_is_not_a_handoff_fails_when_the_strategy_is_ma
 def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp_path, monkeypatch, caplog):
     import logging
 
-    from stagesafe.lightning.cpu import announce_comm_op_build, comm_op_folder
+    from stagesafe.cpu_strategy import announce_comm_op_build, comm_op_folder
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
     assert comm_op_folder() == str(tmp_path / "deepspeed_shm_comm")
@@ -85,3 +86,113 @@ def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp
     with caplog.at_level(logging.INFO):
         announce_comm_op_build()
     assert "building" not in caplog.text  # built: nothing to say
+
+
+def test_keep_optimizer_state_must_be_true_or_false():
+    with pytest.raises(TypeError, match="keep_optimizer_state must be True or False, got 'no'"):
+        StageSafeDeepSpeedStrategy(keep_optimizer_state="no")
+    assert StageSafeDeepSpeedStrategy(keep_optimizer_state=False).keep_optimizer_state is False
+
+
+def test_a_misspelt_argument_close_to_nothing_gets_no_guess():
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'zzz'$"):
+        StageSafeDeepSpeedStrategy(zzz=1)
+
+
+def test_paths_are_kept_as_str_urls(tmp_path):
+    strategy = StageSafeDeepSpeedStrategy(handoff_uri=tmp_path / "handoff")
+    assert strategy.handoff_uri == str(tmp_path / "handoff") and strategy.resume_from is None
+
+
+def test_a_resume_from_off_the_local_disk_is_read_at_the_first_stage_not_when_the_strategy_is_made(tmp_path):
+    import stagesafe
+
+    assert StageSafeDeepSpeedStrategy(resume_from="memory://nothing/here").resume_from == "memory://nothing/here"
+    stagesafe.save_state_dict({"w": __import__("torch").ones(2)}, str(tmp_path / "earlier"))
+    assert StageSafeDeepSpeedStrategy(resume_from=str(tmp_path / "earlier")).resume_from == str(tmp_path / "earlier")
+
+
+def test_before_its_first_call_a_strategy_has_no_report_and_no_engine_to_release():
+    strategy = StageSafeDeepSpeedStrategy()
+    assert strategy.last_boundary is None
+    assert strategy.deepspeed_engine is None  # no call has built one yet: nothing was released
+
+
+def test_an_inference_engine_takes_the_precision_and_the_zero3_partitioning_and_no_optimizer():
+    from stagesafe.strategy_arguments import inference_config as _inference_config
+
+    config = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}, "bf16": {"enabled": True},
+              "optimizer": {"type": "Adam"}, "train_micro_batch_size_per_gpu": 8}
+    inference = _inference_config(config, zero_stage_3=True)
+    assert inference == {"train_micro_batch_size_per_gpu": 1, "bf16": {"enabled": True},
+                         "zero_allow_untested_optimizer": True, "zero_optimization": config["zero_optimization"]}
+    assert inference["zero_optimization"] is not config["zero_optimization"]  # copies DeepSpeed may write into
+    assert inference["bf16"] is not config["bf16"]
+    assert _inference_config({**config, "zero_allow_untested_optimizer": False}, zero_stage_3=True)[
+        "zero_allow_untested_optimizer"] is False
+    assert _inference_config({"zero_optimization": {"stage": 2}, "fp16": {"enabled": True}}, zero_stage_3=False) == {
+        "train_micro_batch_size_per_gpu": 1, "fp16": {"enabled": True}}
+
+
+# -- one Trainer, one rank, in this process --------------------------------------------------------------------------
+@pytest.fixture
+def in_process(tmp_path):
+    """Trainer calls in this process (one CPU rank): the process group, environment and DeepSpeed accelerator
+    they set are undone afterwards."""
+    import os
+
+    import torch.distributed as dist
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+    from deepspeed.utils import groups
+
+    environ, accelerator = dict(os.environ), get_accelerator()
+    try:
+        yield tmp_path
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        groups._WORLD_GROUP = None  # DeepSpeed's copy of that group: the next process group is another
+        os.environ.clear()
+        os.environ.update(environ)
+        set_accelerator(accelerator)
+
+
+@pytest.mark.slow
+def test_after_a_call_the_report_says_what_its_boundary_did_and_the_engine_is_released(in_process):
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+
+    import stagesafe
+    from stagesafe import EngineReleasedError
+    from _tensors import assert_bitwise_equal
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, index):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(0)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
+    strategy = StageSafeDeepSpeedStrategy(stage=3, wait_for_write=True, config={
+        "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2})
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, default_root_dir=in_process,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    model = Model()
+    trainer.fit(model, data)
+    report, uri = strategy.last_boundary, str(in_process / "stagesafe_handoff")
+    assert (report.stage, report.uri, report.wrote, report.clean) == ("fit", uri, True, True)
+    assert {"consolidate", "destroy", "publish", "handoff_write"} <= set(report.phases)
+    assert_bitwise_equal(stagesafe.load_state_dict(uri), {n: t.detach() for n, t in model.state_dict().items()})
+    with pytest.raises(EngineReleasedError, match=f"the handoff at '{uri}'"):
+        strategy.deepspeed_engine
+    with pytest.warns(UserWarning, match="this Trainer has already trained to max_steps=1: fit will return without"):
+        trainer.fit(model, data)  # the same Trainer, already at max_steps
+    assert strategy.last_boundary is not report and strategy.last_boundary.stage == "fit"

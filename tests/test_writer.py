@@ -1,10 +1,12 @@
-"""The handoff writer (stagesafe/lightning/writer.py), in this process: two ranks as two threads sharing one
-real key-value store (torch.distributed's HashStore), writing real files. Interpreter exit is tested in
-subprocesses, where it really happens."""
+"""The handoff writer (stagesafe/stages/writer.py), in this process: two ranks as two threads, each with its
+channel on one real key-value store (a TCPStore, as in a job), writing real files. Interpreter exit is tested
+in subprocesses, where it really happens."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -12,12 +14,12 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
+from _launch import on_every_rank, store_channels
+from _tensors import Unwritable
 
 import stagesafe
 from stagesafe.errors import DistributedStageError, StorageTransferError
-from stagesafe.lightning.agree import JobChannel
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.writer import HandoffWriter, WriteRequest, WriteState, _Write
 
 pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -29,30 +31,7 @@ def _values(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 def _writers(world: int, *, writers: int | None = None, timeout: float = 30.0) -> list[HandoffWriter]:
-    store = dist.HashStore()
-    return [
-        HandoffWriter(JobChannel(store, rank=r, world=world, prefix="t", timeout=timeout), writers=writers or world,
-                      timeout=timeout)
-        for r in range(world)
-    ]
-
-
-def _on_every_rank(fn, world: int) -> list:
-    """Run ``fn(rank)`` on one thread per rank; return each rank's result or exception."""
-    results: list = [None] * world
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = fn(rank)
-        except BaseException as exc:  # noqa: BLE001
-            results[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    return results
+    return [HandoffWriter(c, writers=writers or world, timeout=timeout) for c in store_channels(world, timeout=timeout)]
 
 
 def _request(uri: str, values: dict, **kwargs) -> WriteRequest:
@@ -72,7 +51,7 @@ def test_every_rank_writes_its_share_and_rank_zero_commits(tmp_path):
         writers[r].start(_request(uri, values))
         return writers[r].join()
 
-    committed, other = _on_every_rank(rank, 2)
+    committed, other = on_every_rank(rank, 2)
     assert other is None and committed.manifest["metadata"]["step"] == 1
     assert _bitwise(stagesafe.load_state_dict(uri), values)
     assert stagesafe.verify(uri)
@@ -84,7 +63,7 @@ def test_ranks_that_do_not_see_the_folder_leave_the_whole_write_to_rank_zero(tmp
     values = _values(1)
     folders = [str(tmp_path / f"rank{r}" / "h") for r in range(2)]  # each rank its own folder
     writers = _writers(2, writers=1)
-    results = _on_every_rank(lambda r: (writers[r].start(_request(folders[r], values)), writers[r].join())[1], 2)
+    results = on_every_rank(lambda r: (writers[r].start(_request(folders[r], values)), writers[r].join())[1], 2)
     assert results[1] is None and not isinstance(results[0], BaseException)
     assert _bitwise(stagesafe.load_state_dict(folders[0]), values)
     assert not os.path.exists(folders[1])  # rank 1 wrote nothing, and waited for nothing of its own
@@ -100,28 +79,17 @@ def test_a_share_that_fails_commits_nothing_leaves_no_shard_and_fails_on_every_r
     def rank(r: int):
         values = _values(1)
         if r == 1:  # a value this rank cannot write: its share fails
-            values = {**values, "layer5.weight": _Unwritable(values["layer5.weight"])}
+            values = {**values, "layer5.weight": Unwritable(values["layer5.weight"])}
         request = _request(uri, values, on_failed=lambda: failed_on.append(r))
         writers[r].start(request)
         return writers[r].join()
 
-    zero, one = _on_every_rank(rank, 2)
+    zero, one = on_every_rank(rank, 2)
     assert isinstance(one, RuntimeError) and "cannot be written" in str(one)  # rank 1: its own error
     assert isinstance(zero, StorageTransferError) and "on rank 1" in str(zero) and "unchanged" in str(zero)
     assert sorted(failed_on) == [0, 1]  # every rank learns that the handoff does not hold the new weights
     assert sorted(os.listdir(uri)) == before  # no shard of the failed write is left, the old handoff is whole
     assert _bitwise(stagesafe.load_state_dict(uri), _values(0))
-
-
-class _Unwritable(torch.Tensor):
-    """A tensor whose bytes cannot be read for writing (a real failure inside the shard writer)."""
-
-    @staticmethod
-    def __new__(cls, base):
-        return torch.Tensor._make_subclass(cls, base)
-
-    def contiguous(self, *args, **kwargs):
-        raise RuntimeError("this tensor cannot be written")
 
 
 def test_a_rank_that_never_writes_is_named_once_the_timeout_is_over(tmp_path):
@@ -148,20 +116,21 @@ def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on
         writers[r].join()
         return still
 
-    assert _on_every_rank(rank, 2) == [True, True]
+    assert on_every_rank(rank, 2) == [True, True]
 
     failing = _writers(2)
 
     def failing_rank(r: int):
-        values = {"x": _Unwritable(torch.ones(3))}
+        values = {"x": Unwritable(torch.ones(3))}
         failing[r].start(_request(str(tmp_path / "f"), values))
         if r == 0:
-            failing[0]._write.finished.wait(30)  # the failure is known before the next call's entry
+            failing[0]._write.committed.wait(30)  # the failure is known before the next call's entry
         failing[r].check("entering test")
 
-    zero, one = _on_every_rank(failing_rank, 2)
+    zero, one = on_every_rank(failing_rank, 2)
     assert isinstance(zero, RuntimeError) and "cannot be written" in str(zero)
     assert isinstance(one, DistributedStageError) and "failed on rank 0" in str(one)
+    assert one.failures == {0: "RuntimeError: this tensor cannot be written"}  # as data, not only in the message
     assert not failing[0].pending and not failing[1].pending
 
 
@@ -206,7 +175,7 @@ def test_after_a_failed_call_the_other_ranks_wait_for_rank_zeros_lone_write(tmp_
         writers[1].join()
         return stagesafe.load_state_dict(uri)
 
-    _, seen = _on_every_rank(rank, 2)
+    _, seen = on_every_rank(rank, 2)
     assert _bitwise(seen, values)
 
 
@@ -220,7 +189,7 @@ def test_a_lone_write_that_fails_is_logged_on_every_rank_and_not_raised(tmp_path
         writers[r].write_alone(lambda: stagesafe.save_state_dict(_values(), uri), uri)
         writers[r].join()
 
-    assert _on_every_rank(rank, 2) == [None, None]
+    assert on_every_rank(rank, 2) == [None, None]
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert any(m.startswith("stagesafe: could not write the handoff") for m in errors), errors
     assert any(m.startswith("stagesafe: rank 0 could not write the handoff") for m in errors), errors
@@ -228,8 +197,8 @@ def test_a_lone_write_that_fails_is_logged_on_every_rank_and_not_raised(tmp_path
 
 _EXIT_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
-from stagesafe.lightning.agree import JobChannel
-from stagesafe.lightning.writer import HandoffWriter, WriteRequest
+from stagesafe.stages.channel import JobChannel
+from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, mode = sys.argv[1], sys.argv[2]
 values = {"w": torch.arange(12.0).reshape(3, 4)}
 if mode == "fail":
@@ -272,14 +241,14 @@ def test_stop_on_a_write_thread_finishes_the_write_and_leaves_its_outcome_to_joi
 
     def rank(r: int):
         if r == 1:  # this rank's share fails: the outcome must survive stop() and be raised by join()
-            request = _request(uri, {**values, "layer5.weight": _Unwritable(values["layer5.weight"])},
+            request = _request(uri, {**values, "layer5.weight": Unwritable(values["layer5.weight"])},
                                on_failed=lambda: failed_on.append(r))
         else:
             request = _request(uri, values, on_failed=lambda: failed_on.append(r))
         writers[r].start(request)
         return {t for t in _stagesafe_threads() if f" {uri}" in t.name}
 
-    started = _on_every_rank(rank, 2)
+    started = on_every_rank(rank, 2)
     threads = started[0] | started[1]
     assert {t.name.split(" ")[0] for t in threads} <= {"stagesafe-handoff-device", "stagesafe-handoff-write"}
     for thread in threads:
@@ -287,7 +256,7 @@ def test_stop_on_a_write_thread_finishes_the_write_and_leaves_its_outcome_to_joi
         thread.stop()
         assert not thread.is_alive()
     assert failed_on == []  # stop() only ended the threads: nothing was raised or reported yet
-    zero, one = _on_every_rank(lambda r: writers[r].join(), 2)
+    zero, one = on_every_rank(lambda r: writers[r].join(), 2)
     assert isinstance(one, RuntimeError) and "cannot be written" in str(one)
     assert isinstance(zero, StorageTransferError) and "on rank 1" in str(zero)
     assert sorted(failed_on) == [0, 1]
@@ -302,7 +271,7 @@ def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
         writers[r].start(_request(uri, values))
         return writers[r].join()
 
-    _on_every_rank(rank, 2)
+    on_every_rank(rank, 2)
     assert _bitwise(stagesafe.load_state_dict(uri), values) and stagesafe.verify(uri)
     deadline = time.monotonic() + 10
     while _stagesafe_threads() - before and time.monotonic() < deadline:  # a joined thread may take a moment to end
@@ -311,8 +280,6 @@ def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
 
 
 def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
-    from stagesafe.lightning.writer import WriteState
-
     uri, values, gate = str(tmp_path / "h"), _values(), threading.Event()
     (writer,) = _writers(1)
     assert writer.state is None
@@ -328,14 +295,131 @@ def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
 
 
 def test_a_failed_writes_state_is_failed_before_it_is_joined(tmp_path):
-    from stagesafe.lightning.writer import WriteState
-
     (writer,) = _writers(1)
     values = _values()
-    writer.start(_request(str(tmp_path / "h"), {**values, "layer5.weight": _Unwritable(values["layer5.weight"])}))
+    writer.start(_request(str(tmp_path / "h"), {**values, "layer5.weight": Unwritable(values["layer5.weight"])}))
     deadline = time.monotonic() + 30
     while writer.state is not WriteState.FAILED and time.monotonic() < deadline:
         time.sleep(0.01)
     assert writer.state is WriteState.FAILED
     with pytest.raises(RuntimeError, match="cannot be written"):
         writer.join()
+
+
+def test_a_writes_states_come_in_order_on_every_rank_and_committed_is_rank_zeros_word(tmp_path):
+    """copying, writing, committed on both ranks, each held open by a gate: rank 1 is committed once it has
+    read rank 0's word, before anyone joins."""
+    uri, values = str(tmp_path / "h"), _values()
+    writers = _writers(2)
+    copies = [threading.Event(), threading.Event()]
+    for r in (0, 1):
+        writers[r].start(_request(uri, values, fill=copies[r].wait))
+    assert [w.state for w in writers] == [WriteState.COPYING] * 2
+    copies[0].set()
+    _until(lambda: writers[0].state is not WriteState.COPYING)
+    assert [w.state for w in writers] == [WriteState.WRITING, WriteState.COPYING]  # rank 0 waits for rank 1
+    copies[1].set()
+    _until(lambda: all(w.state is WriteState.COMMITTED for w in writers))
+    assert [w.state for w in writers] == [WriteState.COMMITTED] * 2 and stagesafe.read_manifest(uri)
+    commits = on_every_rank(lambda r: writers[r].join(), 2)
+    assert commits[0].manifest["shards"] and commits[1] is None
+    assert [w.state for w in writers] == [None, None]
+
+
+def _until(condition, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _transitions(resolve_copied, resolve_committed) -> set[tuple[str, str]]:
+    """The state changes a write goes through when its futures resolve as the writer resolves them:
+    ``copied`` first, then ``committed``."""
+    write = _Write(_request("memory://unused", {}), None, writes_here=True, writers=1)
+    seen = [write.state]
+    for resolve, future in ((resolve_copied, write.copied), (resolve_committed, write.committed)):
+        resolve(future)
+        seen.append(write.state)
+    return {(a.value, b.value) for a, b in zip(seen, seen[1:]) if a is not b}
+
+
+def _code_transitions() -> set[tuple[str, str]]:
+    ok = [lambda f: f.set_result(None)]
+    failed = [lambda f: f.set_exception(OSError("disk full"))]
+    found = set()
+    for copied in ok + failed:
+        for committed in ok + failed if copied is ok[0] else failed:  # a failed copy fails the write
+            found |= _transitions(copied, committed)
+    return found
+
+
+def _diagram_in_the_docs() -> tuple[set[str], set[tuple[str, str]]]:
+    """The states and arrows of docs/how-it-works.md's diagram of a write (its first code block after the
+    heading: lines ``state ──> state  why``, and lines that carry on the text)."""
+    with open(os.path.join(REPO, "docs", "how-it-works.md"), encoding="utf-8") as f:
+        text = f.read()
+    section = text[text.index("## The states of a write, and who joins it"):]
+    block = section.split("```")[1]
+    arrows = set()
+    for line in block.strip("\n").splitlines():
+        found = re.match(r"^(\w+) +──> +(\w+) ", line)
+        assert found or line.startswith(" " * 20), f"a line of the diagram neither an arrow nor its text: {line!r}"
+        if found:
+            arrows.add((found[1], found[2]))
+    return {s for arrow in arrows for s in arrow}, arrows
+
+
+def test_the_docs_draw_exactly_the_states_and_steps_the_code_has():
+    states, arrows = _diagram_in_the_docs()
+    assert states == {s.value for s in WriteState}
+    assert arrows == _code_transitions() == {
+        ("copying", "writing"), ("copying", "failed"), ("writing", "committed"), ("writing", "failed"),
+    }
+    assert {s for s in WriteState if s.settled} == {WriteState.COMMITTED, WriteState.FAILED}
+    assert not {a for a, _ in arrows} & {"committed", "failed"}  # nothing leaves a settled write
+
+
+def test_a_copy_that_fails_fails_the_write_from_copying_on(tmp_path):
+    (writer,) = _writers(1)
+    gate = threading.Event()
+
+    def fill() -> None:
+        gate.wait(30)
+        raise OSError("the device is gone")
+
+    writer.start(_request(str(tmp_path / "h"), _values(), fill=fill))
+    assert writer.state is WriteState.COPYING
+    gate.set()
+    assert isinstance(writer._write.copied.exception(30), OSError)
+    assert writer.state is WriteState.FAILED
+    with pytest.raises(OSError, match="the device is gone"):
+        writer.join()
+    assert not os.path.exists(tmp_path / "h" / "stagesafe.json")
+
+
+def test_an_interrupted_lone_write_still_tells_the_other_ranks_and_the_interrupt_goes_on(tmp_path, caplog):
+    writers = _writers(2, timeout=30)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt
+
+    def rank(r: int):
+        writers[r].write_alone(interrupted, str(tmp_path / "h"))
+        return writers[r].join()
+
+    zero, one = on_every_rank(rank, 2)
+    assert isinstance(zero, KeyboardInterrupt) and one is None  # rank 1 did not wait out the timeout
+    errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+    assert any(m.startswith("stagesafe: rank 0 could not write the handoff") and m.endswith("interrupted")
+               for m in errors), errors
+
+
+def test_a_writes_two_futures_hold_its_private_copies_and_its_commit():
+    """The futures are plain concurrent.futures, as a caller's own code would wait on them."""
+    (writer,) = _writers(1)
+    writer.start(_request("memory://futures", _values()))
+    write = writer._write
+    done, _ = concurrent.futures.wait([write.copied, write.committed], timeout=30)
+    assert done == {write.copied, write.committed}
+    assert write.copied.result() is None and write.committed.result().manifest["metadata"]["step"] == 1
+    assert writer.join() is write.committed.result()

@@ -1,5 +1,19 @@
-"""The handoff format, on its own: shard planning, the safetensors codec and fsspec storage.
+"""The handoff format, on its own: safetensors shards, a Hugging Face index and a manifest, on any fsspec URL.
 
-Nothing here knows about Lightning, DeepSpeed or a running job: the strategy, the CLI and the public
-functions all read and write handoffs through :mod:`stagesafe.handoff.store`.
+Nothing here knows about Lightning, DeepSpeed or a running job: the strategy, the CLI and the public functions
+all read and write handoffs through these modules, one job each:
+
+- :mod:`~stagesafe.handoff.manifest`: the format's rules, pure (sizes, shard names, index, manifest);
+  :mod:`~stagesafe.handoff.codec`: the safetensors header; :mod:`~stagesafe.handoff.digest`: the shards' hashes.
+- :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path.
+- :mod:`~stagesafe.handoff.shards`: writing shard files, the one parallel shard writer.
+- :mod:`~stagesafe.handoff.commit`: publishing written shards (index, then manifest), deleting what it replaced.
+- :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``, the steps composed.
+- :mod:`~stagesafe.handoff.read`: ``read_manifest``, ``load_state_dict``, ``HandoffReader``, ``check_present``.
+- :mod:`~stagesafe.handoff.verify`: ``verify``, every shard re-hashed, the index checked.
+- :mod:`~stagesafe.handoff.cleanup`: leftovers of failed writers, and what must never be deleted.
+- :mod:`~stagesafe.handoff.folder`: a handoff's folder (file system, path, retry policy) and its storage calls;
+  below it :mod:`~stagesafe.handoff.fs` (fsspec), :mod:`~stagesafe.handoff.retry`,
+  :mod:`~stagesafe.handoff.safe_files` (opening only regular files of the folder) and
+  :mod:`~stagesafe.handoff.workers` (the thread pool).
 """

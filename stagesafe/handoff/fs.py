@@ -18,7 +18,7 @@ from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
-from stagesafe.handoff.plan import temp_name
+from stagesafe.handoff.manifest import temp_name
 from stagesafe.handoff.writeback import EVERY, start_writeback
 from stagesafe.errors import InvalidArgumentError, StorageBackendError
 
@@ -120,11 +120,14 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
     """Publish ``data`` (bytes, or chunks streamed one at a time) at ``path``; no reader sees a partial file.
 
     Locally: write a temporary sibling (its write-back started as it grows), fsync, ``os.replace``. Object
-    stores and ``memory://`` publish an object when its upload completes (s3fs: one PUT, or a multipart upload
-    above its block size that is aborted, not completed, when writing fails), and have no cheap rename.
+    stores publish an object when its upload completes (s3fs: one PUT, or a multipart upload above its block
+    size that is aborted, not completed, when writing fails), and have no cheap rename. ``memory://`` publishes
+    a file as soon as it is opened, so its bytes are gathered first and put in place at once.
     """
     chunks = (data,) if isinstance(data, (bytes, bytearray, memoryview)) else data
     if not is_local(fs):
+        if "memory" in _protocols(fs):  # it holds every byte in this process anyway
+            data = b"".join(bytes(chunk) for chunk in chunks)
         if isinstance(data, (bytes, bytearray)):
             fs.pipe_file(path, bytes(data))
             return
@@ -132,7 +135,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
         try:
             for chunk in chunks:
                 f.write(chunk)
-        except BaseException:
+        except BaseException:  # Ctrl+C too: an upload cut short must be aborted, never completed
             with contextlib.suppress(Exception):
                 f.discard()  # s3fs: abort the multipart upload instead of completing it
             # Even when the abort fails (store down), the file must never be closed later: fsspec's __del__
@@ -156,7 +159,7 @@ def write_atomic(fs: fsspec.AbstractFileSystem, path: str, data: bytes | Iterabl
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # Ctrl+C too: no temporary file is left behind
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
@@ -172,3 +175,8 @@ def fsync_dir(fs: fsspec.AbstractFileSystem, root: str) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def _protocols(fs: fsspec.AbstractFileSystem) -> tuple[str, ...]:
+    protocol = fs.protocol
+    return (protocol,) if isinstance(protocol, str) else tuple(protocol)

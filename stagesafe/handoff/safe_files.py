@@ -126,7 +126,7 @@ def _open_checked(root: str, name: str, *, error: type[StageSafeError], what: st
         if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
             raise _Replaced()
         return os.fdopen(fd, "rb", buffering=0)
-    except BaseException:
+    except BaseException:  # Ctrl+C too: the descriptor is closed, not leaked
         os.close(fd)
         raise
 

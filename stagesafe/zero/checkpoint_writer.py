@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from stagesafe.errors import InvalidArgumentError
+
 __all__ = [
     "WEIGHTS_ONLY_MARKER",
     "write_engine_checkpoint",
@@ -81,50 +83,22 @@ def write_zero_checkpoint(
     ``client_state`` in the model-states file, as an engine's ``save_checkpoint`` does. ``values`` (state-dict
     name -> tensor) stand in for the module's own tensors, e.g. when it holds meta tensors."""
     if zero_stage not in (1, 2, 3):
-        raise ValueError(f"zero_stage={zero_stage!r}: a ZeRO checkpoint is written for stage 1, 2 or 3")
-    named = list(module.named_parameters(remove_duplicate=False))
-    first: dict[int, str] = {}
-    shared: dict[str, str] = {}
-    trainable: OrderedDict[str, torch.Size] = OrderedDict()
-    frozen: OrderedDict[str, torch.Size] = OrderedDict()
-    given = values
-    values = {}
-    for name, param in named:
-        canonical = first.setdefault(id(param), name)
-        if canonical != name:
-            shared[name] = canonical  # tied: stored once
-            continue
-        values[name] = (given[name] if given is not None else param.detach()).to("cpu")
-        (trainable if param.requires_grad else frozen)[name] = param.shape
-    state_keys = set(module.state_dict(keep_vars=True))
-    buffers = {
-        n: (given[n] if given is not None else b.detach()).to("cpu") for n, b in module.named_buffers() if n in state_keys
-    }
-    flat = torch.cat([values[n].float().reshape(-1) for n in trainable]) if trainable else torch.zeros(0)
-    if zero_stage <= 2:
-        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 2)])  # DeepSpeed aligns a group to 2 x world
+        raise InvalidArgumentError(f"zero_stage={zero_stage!r}: a ZeRO checkpoint is written for stage 1, 2 or 3")
+    weights = _Weights(module, values)
     version = _deepspeed_version()
     model_states: dict[str, Any] = {
         **client_state,
-        "module": buffers,
-        "buffer_names": list(buffers),
-        "param_shapes": [trainable],
-        "frozen_param_shapes": None if exclude_frozen else frozen,
-        "frozen_param_fragments": None if exclude_frozen else _fragments(values, frozen, zero_stage),
-        "shared_params": shared,
+        "module": weights.buffers,
+        "buffer_names": list(weights.buffers),
+        "param_shapes": [weights.trainable],
+        "frozen_param_shapes": None if exclude_frozen else weights.frozen,
+        "frozen_param_fragments": None if exclude_frozen else _fragments(weights.values, weights.frozen, zero_stage),
+        "shared_params": weights.shared,
         "ds_version": version,
         "dp_world_size": 1,
         "mp_world_size": 1,
     }
-    groups_key = "fp32_flat_groups" if zero_stage == 3 else "single_partition_of_fp32_groups"
-    optim_states = {
-        "optimizer_state_dict": {
-            "zero_stage": zero_stage,
-            "partition_count": 1 if zero_stage == 3 else [1],
-            groups_key: [flat],
-        },
-        "ds_version": version,
-    }
+    optim_states = {"optimizer_state_dict": _partition(weights, zero_stage), "ds_version": version}
     folder = os.path.join(path, tag)
     os.makedirs(folder, exist_ok=True)
     model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero_stage == 3 else "mp_rank_00_model_states.pt"
@@ -135,6 +109,42 @@ def write_zero_checkpoint(
     with open(os.path.join(path, WEIGHTS_ONLY_MARKER), "w") as f:
         json.dump({"written_by": "stagesafe", "weights_only": True, "zero_stage": zero_stage, "tag": tag}, f)
         f.write("\n")
+
+
+class _Weights:
+    """A module's state-dict tensors on the CPU as one rank of an engine holds them: each parameter once (a tied
+    name is listed in ``shared``), trainable or frozen, and the persistent buffers. ``given`` (name -> tensor)
+    stands in for the module's own tensors."""
+
+    def __init__(self, module: nn.Module, given: Mapping[str, torch.Tensor] | None):
+        first: dict[int, str] = {}
+        self.shared: dict[str, str] = {}
+        self.trainable: OrderedDict[str, torch.Size] = OrderedDict()
+        self.frozen: OrderedDict[str, torch.Size] = OrderedDict()
+        self.values: dict[str, torch.Tensor] = {}
+        for name, param in module.named_parameters(remove_duplicate=False):
+            canonical = first.setdefault(id(param), name)
+            if canonical != name:
+                self.shared[name] = canonical  # tied: stored once
+                continue
+            self.values[name] = (given[name] if given is not None else param.detach()).to("cpu")
+            (self.trainable if param.requires_grad else self.frozen)[name] = param.shape
+        state_keys = set(module.state_dict(keep_vars=True))
+        self.buffers = {
+            n: (given[n] if given is not None else b.detach()).to("cpu")
+            for n, b in module.named_buffers()
+            if n in state_keys
+        }
+
+
+def _partition(weights: _Weights, zero_stage: int) -> dict[str, Any]:
+    """The optimizer state of the one rank: an fp32 partition holding every trainable parameter, no moments."""
+    names = list(weights.trainable)
+    flat = torch.cat([weights.values[n].float().reshape(-1) for n in names]) if names else torch.zeros(0)
+    if zero_stage <= 2:
+        flat = torch.cat([flat, flat.new_zeros(-flat.numel() % 2)])  # DeepSpeed aligns a group to 2 x world
+    groups_key = "fp32_flat_groups" if zero_stage == 3 else "single_partition_of_fp32_groups"
+    return {"zero_stage": zero_stage, "partition_count": 1 if zero_stage == 3 else [1], groups_key: [flat]}
 
 
 def is_weights_only(path: str) -> bool:

@@ -78,7 +78,7 @@ class RankFile:
             self._materialized: dict[str | None, Any] = {}  # storage key -> its bytes (a torch tensor), read once
             self._materialized_bytes = 0
             self.content = read_pickle(pickled, display=display, trusted=trusted)
-        except BaseException:
+        except Exception:  # an interrupt needs no cleanup: the half-built object goes, its descriptor with it
             self._file.close()
             raise
 

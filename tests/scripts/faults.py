@@ -70,7 +70,7 @@ def record(stage: str, module, call, *, handoff: str | None = None) -> None:
 def trainer(root: str, handoff: str, **kwargs) -> pl.Trainer:
     max_steps = kwargs.pop("max_steps", 4)
     if os.environ.get("FAULT_STRATEGY") == "stock":  # the control: Lightning's strategy, CPU refusal lifted
-        from stagesafe.lightning.cpu import CPUCapableDeepSpeedStrategy
+        from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
 
         strategy = CPUCapableDeepSpeedStrategy(stage=3, timeout=TIMEOUT)
     else:
@@ -96,7 +96,7 @@ def main() -> None:
         return  # the write fails as the script ends: the process must not exit 0
     if case == "disk_full_then_fit":
         record("fit", module, fit)
-        t.strategy._writer._write.finished.wait(60)  # known to have failed before the next call starts
+        t.strategy._writer._write.committed.wait(60)  # known to have failed before the next call starts
         t.fit_loop.epoch_loop.max_steps = 8  # room for the same Trainer to fit again
         record("fit", module, fit)  # raises the failure at its entry
         t2 = trainer(root, os.path.join(root, "elsewhere"), max_steps=2)

@@ -32,8 +32,8 @@ import torch
 
 from stagesafe import save_state_dict
 
-from stagesafe.handoff import store
-from stagesafe.handoff.plan import INDEX_NAME, MANIFEST_NAME
+from stagesafe.handoff import folder
+from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME
 
 NUMEL = 4 * 1024 * 1024  # float32 elements per tensor: 16 MiB
 SHARD = "32MiB"
@@ -51,7 +51,7 @@ def _die() -> None:
 
 def _kill_at(point: str) -> None:
     """Wrap the store's atomic write so that the process kills itself at ``point``."""
-    real = store.write_atomic
+    real = folder.write_atomic
     shards_started: list[str] = []  # on an object store, shards are written by several threads at once
     shards_done: list[str] = []
 
@@ -79,7 +79,7 @@ def _kill_at(point: str) -> None:
         ):
             _die()
 
-    store.write_atomic = write_atomic
+    folder.write_atomic = write_atomic
 
 
 def main() -> None:

@@ -22,10 +22,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl
 import torch
-from toy import ToyModule, dataloader, probe, state_digest_of
+from toy import ToyModule, dataloader, probe, quiet_trainer, state_digest_of
 
 from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict
-from stagesafe.lightning.boundary import assert_clean
+from stagesafe.stages.boundary import assert_clean
 
 INTERRUPT_AT = 2
 
@@ -53,20 +53,7 @@ class Interrupted(ToyModule):
 
 
 def trainer(root: str, name: str, max_steps: int = -1) -> pl.Trainer:
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=StageSafeDeepSpeedStrategy(stage=3, handoff_uri=f"{root}/{name}/handoff"),
-        precision="bf16-mixed",
-        max_epochs=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=f"{root}/{name}",
-    )
+    return quiet_trainer(root, name, devices=1, max_steps=max_steps)
 
 
 def fresh() -> Interrupted:

@@ -33,10 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl
 import torch
-from toy import ToyModule, dataloader, probe, state_digest, state_digest_of
+from toy import ToyModule, dataloader, probe, quiet_trainer, state_digest, state_digest_of
 
 from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_dict
-from stagesafe.lightning.boundary import assert_clean
+from stagesafe.stages.boundary import assert_clean
 
 INTERRUPT_AT = 2
 ONE_RANK_TIMEOUT = 5  # seconds: the process group's timeout in the one_rank_fails run
@@ -58,21 +58,7 @@ class InterruptedModule(ToyModule):
 
 
 def trainer(root: str, name: str, *, max_steps: int = -1, **strategy_kwargs) -> pl.Trainer:
-    strategy_kwargs.setdefault("handoff_uri", f"{root}/{name}/handoff")
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=StageSafeDeepSpeedStrategy(stage=3, **strategy_kwargs),
-        precision="bf16-mixed",
-        max_epochs=1,
-        max_steps=max_steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        default_root_dir=f"{root}/{name}",
-    )
+    return quiet_trainer(root, name, devices=2, max_steps=max_steps, **strategy_kwargs)
 
 
 def run(record_list: list, label: str, call) -> dict:
@@ -152,7 +138,7 @@ FAULTS = ("flipped_byte", "truncated_shard", "missing_shard", "weight_map_disagr
 
 def bad_handoff(root: str, fault: str) -> tuple[str, str]:
     """A handoff with ``fault``, and the shard an error must name (\"\" for faults that are not a shard's)."""
-    from stagesafe.handoff.plan import manifest_checksum, INDEX_NAME, MANIFEST_NAME
+    from stagesafe.handoff.manifest import manifest_checksum, INDEX_NAME, MANIFEST_NAME
 
     uri = f"{rank_root(root)}/bad/{fault}"
     state = dict(fresh_module(seed=1).state_dict())

@@ -132,3 +132,25 @@ def probe(module: nn.Module) -> dict:
         "devices": sorted({str(p.device) for p in params}),
         "digest": state_digest(module) if all(p.numel() and p.device.type != "meta" for p in params) else None,
     }
+
+
+def quiet_trainer(root: str, name: str, *, devices: int, max_steps: int = -1, **strategy_kwargs) -> pl.Trainer:
+    """A one-epoch bf16 Trainer under StageSafeDeepSpeedStrategy (ZeRO-3) on CPU processes, with nothing
+    printed or saved but the handoff (``<root>/<name>/handoff`` unless ``handoff_uri`` is given)."""
+    from stagesafe import StageSafeDeepSpeedStrategy
+
+    strategy_kwargs.setdefault("handoff_uri", f"{root}/{name}/handoff")
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=StageSafeDeepSpeedStrategy(stage=3, **strategy_kwargs),
+        precision="bf16-mixed",
+        max_epochs=1,
+        max_steps=max_steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        default_root_dir=f"{root}/{name}",
+    )

@@ -1,0 +1,206 @@
+"""Committing a handoff whose shards are written: the index, then the manifest ``stagesafe.json``, whose presence
+and content define the handoff; only after it, the replaced handoff's files are deleted.
+
+A reader sees the old handoff or the new one, never a mix. Two writers committing to one folder at once never
+mix their files: each writes shards of its own names, the last manifest wins whole, and the index is made to
+follow it (:func:`commit_handoff`).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import json
+import logging
+import platform
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+import fsspec
+import safetensors
+
+from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError
+from stagesafe.handoff import digest as _digest
+from stagesafe.handoff.cleanup import remove_orphans
+from stagesafe.handoff.folder import UNCHANGED, HandoffFolder, check_retry
+from stagesafe.handoff.fs import fsync_dir
+from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, build_index, build_manifest
+from stagesafe.handoff.plan import HandoffPlan
+from stagesafe.handoff.read import committed_manifest, committed_shards
+from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.handoff.shards import ShardRecord
+
+__all__ = ["Commit", "commit", "commit_handoff", "remove_replaced", "write_index"]
+
+log = logging.getLogger(__name__)
+
+_INDEX_ROUNDS = 5  # looks at the index after a commit; each more is needed only while other writers commit
+
+
+@dataclass(frozen=True)
+class Commit:
+    """A committed handoff: its manifest, and the shard files of the handoff it replaced (now unused)."""
+
+    manifest: dict[str, Any]
+    replaced: frozenset[str]
+
+
+def commit(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    shard_records: Mapping[str, ShardRecord],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    remove_stale_files: bool = True,
+) -> dict[str, Any]:
+    """Publish a handoff whose shards are all written; return its manifest. See :func:`commit_handoff`.
+
+    ``remove_stale_files=False`` keeps the replaced handoff's files, for a caller that deletes them later
+    with :func:`remove_replaced` (it then calls :func:`commit_handoff` to learn which they are).
+    """
+    done = commit_handoff(fs, root, plan, shard_records, metadata=metadata, retry=retry)
+    if remove_stale_files:
+        remove_replaced(fs, root, done)
+    return done.manifest
+
+
+def commit_handoff(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    shard_records: Mapping[str, ShardRecord],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+) -> Commit:
+    """Publish a handoff whose shards are all written: the index, then the manifest (the commit), then the
+    index again if another writer's commit got in between, so that the two always end up agreeing.
+
+    Deletes nothing: the files of the handoff it replaced are in the returned :class:`Commit`, for
+    :func:`remove_replaced`. If writing the index or the manifest fails, the new shards stay where they are
+    (the manifest may have reached the store); a later save deletes them once they are old.
+    """
+    folder = HandoffFolder(fs, root, check_retry(retry))
+    manifest = _manifest(folder, plan, shard_records, metadata)
+    fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
+    write_index(folder, manifest)
+    replaced = committed_shards(folder)
+    text = (json.dumps(manifest, indent=2) + "\n").encode()
+    folder.transfer(
+        lambda: folder.write(MANIFEST_NAME, text),
+        what=f"commit {folder.url!r} (write {MANIFEST_NAME})",
+        hint="; the handoff there is the previous one or, if the last try reached the store, the new one: "
+        "read_manifest says which",
+        writing=True,
+    )
+    fsync_dir(fs, root)
+    try:
+        _index_follows_the_manifest(folder)
+    except Exception as exc:  # noqa: BLE001 - committed: a stale index is repaired by the next save
+        log.warning("stagesafe: committed %s, but could not check its %s (%s)", folder.url, INDEX_NAME, exc)
+    return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])))
+
+
+def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> None:
+    """After a commit: delete the shards of the handoff it replaced, and the files killed or failed writers
+    left behind once they are older than :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones
+    may belong to another writer's commit in progress). Best effort: a failure is logged, never raised, since
+    the handoff is committed."""
+    folder = HandoffFolder(fs, root)
+    try:
+        folder.remove(done.replaced)
+        remove_orphans(folder)
+    except Exception as exc:  # noqa: BLE001 - any storage client's error
+        log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", folder.url, exc)
+
+
+def write_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
+    """Write the Hugging Face index of ``manifest`` (the file loaders other than stagesafe follow)."""
+    index = json.dumps(build_index(manifest["weight_map"], manifest["total_size"]), indent=2, sort_keys=True) + "\n"
+    folder.transfer(
+        lambda: folder.write(INDEX_NAME, index.encode()),
+        what=f"write {INDEX_NAME} to {folder.url!r}",
+        hint=UNCHANGED,
+        writing=True,
+    )
+
+
+def _manifest(
+    folder: HandoffFolder,
+    plan: HandoffPlan,
+    shard_records: Mapping[str, ShardRecord],
+    metadata: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    """The manifest of ``plan`` written as ``shard_records`` say, once every planned shard is written (and no
+    other) with one digest."""
+    unwritten = [f for f in plan.shards if f not in shard_records]
+    unplanned = [f for f in shard_records if f not in plan.shards]
+    if unwritten or unplanned:
+        raise InvalidArgumentError(
+            f"cannot commit {folder.url!r}: planned shards not written {unwritten[:3]}, written shards not planned "
+            f"{unplanned[:3]}; write every shard of the plan with write_shard, then commit"
+        )
+    digests = {shard_records[f].digest for f in plan.shards}
+    if len(digests) > 1:
+        raise InvalidArgumentError(
+            f"cannot commit {folder.url!r}: its shards were hashed with different digests {sorted(digests)}; a "
+            "manifest records one, so write every shard of the plan with the same digest"
+        )
+    return build_manifest(
+        digest=digests.pop() if digests else _digest.DEFAULT,
+        shards={f: {"hexdigest": shard_records[f].hexdigest, "size": shard_records[f].size} for f in plan.shards},
+        weight_map=plan.weight_map,
+        tensors=plan.tensors,
+        aliases=plan.aliases,
+        total_size=plan.total_size,
+        metadata=metadata,
+        versions=_versions(),
+        created=datetime.now(timezone.utc).isoformat(timespec="milliseconds"),
+    )
+
+
+def _index_follows_the_manifest(folder: HandoffFolder) -> None:
+    """Make the index describe the committed manifest, whichever writer committed last.
+
+    Each writer writes its index before its manifest; with two writers at once, the last index written may
+    belong to the commit that lost. After its own commit, a writer looks again, and rewrites the index from
+    the manifest it finds until the two agree: the last writer to look always sees the last commit.
+    """
+    for _ in range(_INDEX_ROUNDS):
+        try:
+            manifest = committed_manifest(folder, explain=False)
+        except (HandoffNotFoundError, HandoffCorruptError):
+            return
+        try:
+            index = json.loads(folder.fs.cat_file(folder.path(INDEX_NAME)))
+            if index.get("weight_map") == manifest["weight_map"]:
+                return
+        except (OSError, ValueError, AttributeError):
+            pass  # missing or unreadable: written below
+        write_index(folder, manifest)
+
+
+@functools.cache
+def _versions() -> dict[str, str | None]:
+    def dist(name: str) -> str | None:
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    versions = {
+        "python": platform.python_version(),
+        "torch": sys.modules["torch"].__version__ if "torch" in sys.modules else dist("torch"),  # not imported for it
+        "safetensors": safetensors.__version__,
+        "fsspec": fsspec.__version__,
+        "stagesafe": dist("stagesafe") or getattr(sys.modules.get("stagesafe"), "__version__", None),
+    }
+    for name in ("deepspeed", "lightning", "pytorch-lightning"):  # metadata only: importing them is slow
+        if (version := dist(name)) is not None:
+            versions[name] = version
+    return versions

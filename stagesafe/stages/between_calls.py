@@ -1,0 +1,57 @@
+"""What a module holds between Trainer calls, for a checkpoint written then (no engine is live): the last fit's
+kept engine state where it still belongs to the module's weights, or else the weights alone, read from the
+handoff for a module of meta tensors."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+from torch import nn
+
+from stagesafe.errors import HandoffNotReadyError, InvalidArgumentError
+from stagesafe.stages.history import KeptTraining, history_of, state_tensors
+from stagesafe.stages.writer import HandoffWriter
+
+__all__ = ["kept_training", "weights_between_calls", "has_meta_tensors"]
+
+
+def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptTraining], str]:
+    """The last fit's kept engine state where it still belongs to the module's weights, else why not."""
+    history = history_of(module)
+    kept = history.kept if history is not None else None
+    if kept is None:
+        return None, "no fit under StageSafeDeepSpeedStrategy has trained this module's weights in this process"
+    if kept.checkpoint is None:
+        return None, kept.missing
+    if not kept.holds(state_tensors(module)):
+        return None, "the module's weights changed since the last fit ended, and its optimizer state with them"
+    if kept.world_size != world_size:
+        return None, f"it was kept by {kept.world_size} rank(s) and this job has {world_size}"
+    return kept, ""
+
+
+def weights_between_calls(module: nn.Module, writers: Iterable[HandoffWriter]) -> Optional[Mapping[str, Any]]:
+    """None when the module holds its weights; its handoff's when it holds meta tensors (``writers``: those
+    that may still be writing that handoff)."""
+    if not has_meta_tensors(module):
+        return None
+    history = history_of(module)
+    if history is None or history.target is None:
+        raise InvalidArgumentError(
+            "the module holds meta tensors and no handoff holds its weights: nothing to save; load weights "
+            "into it first (stagesafe.restore(module, uri))"
+        )
+    for writer in writers:
+        if writer.pending_uri == history.target.uri:
+            raise HandoffNotReadyError(
+                f"the handoff {history.target.uri!r} that holds the module's weights is still being written: call "
+                "strategy.wait_for_handoff() on every rank before trainer.save_checkpoint(...)"
+            )
+    from stagesafe.handoff.read import load_state_dict
+
+    return load_state_dict(history.target.uri, storage_options=history.target.storage_options)
+
+
+def has_meta_tensors(module: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in module.state_dict(keep_vars=True).values() if hasattr(t, "device"))

@@ -1,0 +1,594 @@
+"""One Trainer call's passage through a DeepSpeed engine: enter, engine built, exit.
+
+Knows nothing of Lightning. ``enter`` refuses a module with stale DeepSpeed state; ``engine_built`` loads the
+exact fp32 values into the engine's masters (the kept fp32 masters where the module holds 16 bits); ``exit``
+decides once where the stage's weights come from (:mod:`~stagesafe.stages.weight_source`), then takes them
+(the fp32 masters after training), keeps what the engine held beyond them
+(:class:`~stagesafe.stages.history.KeptTraining`: masters of 16-bit parameters, the optimizer's partition),
+destroys the engine, restores the module to plain tensors in the dtype and device it had before its first
+stage, and publishes: has the handoff (fp32 wherever training had masters) written when it does not hold them
+yet (by the strategy's :class:`~stagesafe.stages.writer.HandoffWriter`, in the background unless asked
+otherwise). Host memory for the end is :mod:`~stagesafe.stages.end_memory`'s; taking weights from the engine
+is :mod:`~stagesafe.stages.engine_weights`'.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
+from stagesafe.handoff.read import HandoffReader, check_present
+from stagesafe.stages import collectives
+from stagesafe.stages.end_memory import EndMemory
+from stagesafe.stages.engine_weights import take_from_engine
+from stagesafe.stages.history import (
+    HandoffTarget,
+    KeptTraining,
+    ModuleHistory,
+    fingerprint,
+    history_of,
+    new_history,
+    state_tensors,
+)
+from stagesafe.stages.host import HostBuffers
+from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
+from stagesafe.stages.weight_source import WeightSource, weight_sources
+from stagesafe.stages.writer import HandoffWriter
+from stagesafe.restore import assign_values, load_for
+from stagesafe.zero import engine as zero_engine
+
+__all__ = ["BoundaryReport", "StageBoundary", "StageOptions", "assert_clean"]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+# Sources of weights that come from this stage: the handoff's metadata names it.
+_FROM_THIS_STAGE = (WeightSource.STREAMED, WeightSource.MASTERS, WeightSource.CHECKPOINT)
+
+
+@dataclass
+class BoundaryReport:
+    """What one stage boundary did, for logs and the demo."""
+
+    stage: str
+    uri: str
+    seconds: float = 0.0  # leaving the stage: consolidate, destroy, restore, start the write
+    enter_seconds: float = 0.0  # entering it: the clean check, host memory, the engine's partitions from a handoff
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step (the writer's too, once it ran)
+    wrote: bool = False  # a handoff write of this stage's weights was started
+    handoff_bytes: int = 0
+    stale_problems: list[str] = field(default_factory=list)
+    copied_while_waiting: int = 0  # bytes cloned for the background writer before the call could return
+
+    @property
+    def clean(self) -> bool:
+        return not self.stale_problems
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """How one Trainer call's boundary runs, fixed for the call.
+
+    ``meta``: between stages the module holds meta tensors; ``materialize(values)`` then builds the next
+    engine's partitions from the handoff, read one shard at a time. ``training``: the stage trains on
+    ``device``, so host memory for its end is prepared while it runs. ``fresh``: ids of the parameters (whose
+    values only the engine has) and floating buffers ``zero.Init`` built in this call. ``keep_optimizer_state``:
+    a training stage's end keeps this rank's files of DeepSpeed's checkpoint (``exclude_frozen``: without
+    frozen parameters, as ``save_checkpoint`` would).
+    """
+
+    stage: str
+    meta: bool = False
+    materialize: Callable[[Mapping[str, torch.Tensor]], None] | None = None
+    training: bool = False
+    device: torch.device | None = None
+    fresh: frozenset[int] = frozenset()
+    keep_optimizer_state: bool = True
+    exclude_frozen: bool = False
+
+
+@dataclass
+class _Entry:
+    """What the module held when the stage started, kept for its end."""
+
+    values: Mapping[str, torch.Tensor] | None = None  # its tensors (not zero.Init's), or a meta module's handoff
+    masters: dict[str, torch.Tensor] = field(default_factory=dict)  # kept fp32 masters of 16-bit ones among them
+    built: set[str] = field(default_factory=set)  # parameters zero.Init built in this call: only the engine has them
+    footprint: zero_engine.ModuleFootprint | None = None  # attributes and hooks before the engine
+
+
+@dataclass
+class _Taken:
+    """The stage's weights as the end took them: ``values`` None where the module takes nothing back."""
+
+    source: WeightSource
+    values: dict[str, torch.Tensor] | None = None
+    gathered: zero_engine.GatheredValues | None = None  # masters kept on the device for the writer's private copy
+    failed: tuple[WeightSource, ...] = ()  # the sources tried first, whose taking failed
+
+
+def assert_clean(module: nn.Module, *, fresh: set[int] = frozenset()) -> None:
+    """Raise :class:`StaleDeepSpeedStateError` when the module still carries an earlier engine's state.
+    ``fresh``: ids of parameters DeepSpeed's ``zero.Init`` built in this call (Lightning's ``configure_model``)."""
+    problems = zero_engine.find_stale_state(module, fresh=fresh)
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise StaleDeepSpeedStateError(
+            f"The module still carries state of an earlier DeepSpeed engine: {shown}. Building a new engine over it "
+            "would re-adopt stale ZeRO partitions. Run every stage through StageSafeDeepSpeedStrategy, or load the "
+            "weights into a fresh module with stagesafe.restore(module, handoff_uri)."
+        )
+
+
+class StageBoundary:
+    """The life of one Trainer call's engine over ``module``; create one per call."""
+
+    def __init__(
+        self, module: nn.Module, target: HandoffTarget, options: StageOptions, *, writer: HandoffWriter
+    ) -> None:
+        self.module = module
+        self.target = target
+        self.writer = writer
+        self.options = options
+        self._memory = EndMemory(
+            device=options.device, max_shard_size=target.max_shard_size, writers=writer.writers,
+            training=options.training, keep_optimizer_state=options.keep_optimizer_state,
+            exclude_frozen=options.exclude_frozen, stage=options.stage,
+        )
+        self._entry = _Entry()
+        self._loaded: dict[str, torch.Tensor] | None = None  # a ckpt_path's weights, loaded during the stage
+        self._meta_values: dict[str, torch.Tensor] | None = None  # what place_meta() gives the module
+        self.history: ModuleHistory | None = None
+        self.report = BoundaryReport(stage=options.stage, uri=target.uri)
+        self._publisher = HandoffPublisher(module, target, writer, self._memory, self.report)
+
+    # -- entering -------------------------------------------------------------------------------------------
+    def enter(self, *, resume_from: HandoffTarget | None = None) -> None:
+        """Check the module is clean; note what it holds.
+
+        ``resume_from``: a handoff (perhaps written by another job, at another world size) whose weights the
+        module takes before its first stage under stagesafe; ignored for a module that has been through one.
+        A module on the meta device (meta mode) is not loaded: its engine is built from that handoff.
+        """
+        start = time.perf_counter()
+        assert_clean(self.module, fresh=self.options.fresh)  # before anything changes
+        history = history_of(self.module)
+        _join_elsewhere(history, self.writer)
+        self.writer.wait_device()  # the last stage's host memory is unlocked before it is locked again
+        tensors = state_tensors(self.module)
+        built = self._built_names()
+        on_meta = any(t.device.type == "meta" for t in tensors.values())
+        if on_meta and self.options.materialize is None:
+            raise InvalidArgumentError(
+                "the module holds meta tensors: load weights first (stagesafe.restore(module, uri)), or run the "
+                "stage with StageSafeDeepSpeedStrategy(between_stages='meta')"
+            )
+        if history is None:
+            tensors, history = self._first_stage(tensors, resume_from, on_meta)
+        history.note_names(tensors, fresh=built)
+        self.history = history
+        self._still_there(history, on_meta)
+        footprint = zero_engine.take_footprint(self.module, fresh=self.options.fresh)
+        if on_meta:
+            self._entry = _Entry(self._build_from_handoff(history), built=built, footprint=footprint)
+        else:
+            entry = {n: t for n, t in tensors.items() if n not in built}
+            masters = history.kept.masters_for(entry) if history.kept is not None else {}
+            self._entry = _Entry(entry, masters=masters, built=built, footprint=footprint)
+            self._prepare_end(history, tensors)
+        self.report.enter_seconds = time.perf_counter() - start
+
+    def _built_names(self) -> set[str]:
+        """The parameters zero.Init built in this call (partitioned: their values are the engine's)."""
+        params = self.module.named_parameters(remove_duplicate=False)
+        return {n for n, p in params if id(p) in self.options.fresh and zero_engine.is_zero3_param(p)}
+
+    def _first_stage(
+        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool
+    ) -> tuple[dict[str, torch.Tensor], ModuleHistory]:
+        """A module's first stage under stagesafe: it takes ``resume_from``'s weights (a module of meta tensors
+        is built from that handoff instead), and its history starts."""
+        if resume_from is not None and not on_meta:
+            tensors = self._resume(resume_from)
+        history = new_history(self.module)
+        if resume_from is not None:
+            history.target = resume_from if on_meta else None
+            history.weights_from = {"resumed_from": resume_from.uri}
+        return tensors, history
+
+    def _resume(self, source: HandoffTarget) -> dict[str, torch.Tensor]:
+        """Every rank loads and checks the handoff; none changes its module unless all can."""
+        placed = collectives.all_ranks(
+            lambda: load_for(self.module, source.uri, storage_options=source.storage_options,
+                             progress=None if collectives.rank() == 0 else False),  # one bar, on rank 0's terminal
+            f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
+            "not visible from other nodes; use shared storage or an object store)",
+        )
+        zero_engine.strip_deepspeed_state(self.module, None)
+        assign_values(self.module, placed)
+        return state_tensors(self.module)
+
+    def _still_there(self, history: ModuleHistory, on_meta: bool) -> None:
+        """The handoff that holds the module's weights may have been deleted or damaged since it was written
+        (rank 0 looks; every rank acts on what it saw). A module with weights writes it again at this stage;
+        a module of meta tensors has nothing to write it from: its error is raised, naming the handoff."""
+        source = history.target
+        if source is None or history.fingerprint is None or self.writer.pending_uri == source.uri:
+            return
+        if source != self.target and not on_meta:
+            return  # the module's weights go to this stage's handoff in any case
+        absent = collectives.on_rank_zero(lambda: _absence(source), f"looking at the handoff {source.uri}")
+        if absent is None:
+            return
+        missing, error = absent
+        if on_meta:
+            raise (HandoffNotFoundError if missing else HandoffCorruptError)(
+                f"the module holds meta tensors, and the handoff that holds its weights is gone or damaged: {error}. "
+                "Nothing can rebuild them here: resume from another copy (resume_from=URI on a fresh module)"
+            )
+        log.warning("stagesafe: %s; this stage writes the module's weights there again", error)
+        history.lost()
+
+    def _build_from_handoff(self, history: ModuleHistory) -> HandoffReader:
+        """A module of meta tensors: the engine's partitions are built from the handoff that holds its weights,
+        one shard and one submodule at a time. Returns the handoff, the weights the stage starts with."""
+        source = history.target
+        if source is None:
+            raise InvalidArgumentError(
+                "the module holds meta tensors and no handoff holds its weights: pass resume_from=URI, or load "
+                "them with stagesafe.restore(module, uri) first"
+            )
+        if self.writer.pending_uri == source.uri:
+            self.writer.join()  # this stage reads the handoff: its write must be committed
+        reader = HandoffReader(source.uri, storage_options=source.storage_options)
+        materialize = self.options.materialize
+        assert materialize is not None
+        collectives.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source.uri}")
+        return reader
+
+    def _prepare_end(self, history: ModuleHistory, tensors: Mapping[str, torch.Tensor]) -> None:
+        """While the stage runs: a training stage's host memory is made ready; an inference stage, which ends
+        with the weights it started with, has them written now if no handoff holds them, from the tensors this
+        boundary keeps (the engine computes on copies of its own); its end joins the write."""
+        entry = self._entry
+        if self.options.training:
+            if not self.options.meta:
+                self._memory.prepare_weights(self.module, tensors, original=history.original, built=entry.built)
+            return
+        if entry.built or history.holds(self.target, tensors):
+            return
+        self._join_last_write()
+        values = {n: t.to("cpu") for n, t in {**entry.values, **entry.masters}.items()}
+        self._publisher.start(history, values, tensors, gathered=None, host=None, background=False)
+
+    def engine_built(self, engine: Any, *, training: bool) -> None:
+        """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights;
+        start making host memory ready for the optimizer state the stage's end keeps, as far as it is known."""
+        entry = self._entry
+        if training and entry.values is not None:
+            values = {**entry.values, **entry.masters} if entry.masters else entry.values  # a reader stays lazy
+            collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, values),
+                                  "loading the fp32 master weights")
+        self._memory.engine_built(engine)
+
+    def optimizer_stepped(self, engine: Any) -> None:
+        """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""
+        self._memory.optimizer_stepped(engine)
+
+    def checkpoint_loaded(
+        self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
+    ) -> None:
+        """A checkpoint's full weights were loaded during the stage: put them in the engine, keep them for exit."""
+        zero_engine.load_values_into_engine(engine_module, values, set_masters=training)
+        self._loaded = dict(values)
+
+    # -- leaving ----------------------------------------------------------------------------------------------
+    def exit(
+        self,
+        engine: Any | None,
+        *,
+        trained: bool,
+        weights_from: Mapping[str, Any],
+        gather: bool,
+        background: bool,
+        lr_schedulers: Sequence[Mapping[str, Any]] = (),
+    ) -> BoundaryReport:
+        """Decide where the stage's weights come from; take them, keep what the engine held beyond them,
+        destroy the engine, restore the module, and publish the handoff. A failure of any step is raised at
+        the end, once the module is plain again.
+
+        ``gather``: every rank is here (the stage ended, or failed, on all of them), so weights may be gathered
+        from the engine; without it a rank keeps the weights the stage started with. ``background``: the
+        write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit).
+        ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
+        ``lr_schedulers``: the trainer's lr scheduler states, kept beside the optimizer's.
+        """
+        start, clock, failure = time.perf_counter(), _PhaseClock(self.report.phases), _FirstFailure()
+        history = self._entered()
+        failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
+        clock("join_last_write")
+        host = self._memory.weights_ready()
+        clock("host_memory_ready")
+        meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
+        sources = self._weight_sources(engine, history, trained=trained, gather=gather)
+        taken = self._take(sources, engine, history, host, weights_from, failure)
+        clock("consolidate")
+        kept = self._keep_engine_state(engine, taken, history, lr_schedulers, clock)
+        self._destroy(engine)
+        clock("destroy")
+        handoff = self._restore(taken, history)
+        restored = state_tensors(self.module)
+        self._remember(kept, history, restored)
+        keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
+        self._publish(taken, history, handoff, restored, host, failure, gather=gather,
+                      background=background and not keeps_meta)
+        clock("publish")
+        if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
+            self._meta_values = _meta_tensors(meta_specs, history)
+        self.report.stale_problems = zero_engine.find_stale_state(self.module)
+        self.report.seconds = time.perf_counter() - start
+        self._entry.values = self._loaded = None
+        failure.raise_first()
+        return self.report
+
+    def place_meta(self) -> None:
+        """Meta mode, after Lightning's teardown (which moves the module with ``.cpu()``): the module's tensors
+        become meta tensors, holding no memory until the next stage reads the handoff."""
+        values, self._meta_values = self._meta_values, None
+        if values is None:
+            return
+        history = self._entered()
+        before = fingerprint(state_tensors(self.module))
+        assign_values(self.module, values)
+        if history.kept is not None:
+            history.kept.moved(before, state_tensors(self.module))
+        if self.report.wrote or history.target is None:
+            history.target = self.target
+        history.fingerprint = fingerprint(state_tensors(self.module))
+        self.report.stale_problems = zero_engine.find_stale_state(self.module)
+
+    # -- the steps of exit --------------------------------------------------------------------------------
+    def _entered(self) -> ModuleHistory:
+        assert self.history is not None, "exit() without enter()"
+        return self.history
+
+    def _join_last_write(self) -> None:
+        """One write at a time: the last one (any strategy's) ends before this stage's starts."""
+        _join_elsewhere(self.history, self.writer)
+        if self.writer.pending:
+            self.writer.join()
+
+    def _weight_sources(
+        self, engine: Any | None, history: ModuleHistory, *, trained: bool, gather: bool
+    ) -> tuple[WeightSource, ...]:
+        """Where the stage's weights come from, decided once: the first source, then the fallbacks."""
+        return weight_sources(
+            engine=engine is not None, gather=gather, trained=trained, meta=self.options.meta,
+            built_here=bool(self._entry.built), loaded=self._loaded is not None,
+            in_handoff=history.target == self.target and history.fingerprint is not None,
+        )
+
+    def _take(
+        self,
+        sources: tuple[WeightSource, ...],
+        engine: Any | None,
+        history: ModuleHistory,
+        host: HostBuffers | None,
+        weights_from: Mapping[str, Any],
+        failure: _FirstFailure,
+    ) -> _Taken:
+        """The weights from the first of ``sources`` that gives them: a failure is noted and the next source
+        is tried; the last cannot fail. Weights that come from this stage name it in the handoff's metadata."""
+        *fallible, last = sources
+        for tried, source in enumerate(fallible):
+            taken = failure.attempt(lambda: self._take_from(source, engine, history, host, weights_from))
+            if taken is not None:
+                break
+        else:
+            tried, taken = len(fallible), self._take_from(last, engine, history, host, weights_from)
+        if taken.source in _FROM_THIS_STAGE:
+            history.weights_from = dict(weights_from)
+        return dataclasses.replace(taken, failed=sources[:tried])
+
+    def _take_from(
+        self,
+        source: WeightSource,
+        engine: Any | None,
+        history: ModuleHistory,
+        host: HostBuffers | None,
+        weights_from: Mapping[str, Any],
+    ) -> _Taken:
+        if source is WeightSource.STREAMED:
+            metadata = {**handoff_metadata(history), **weights_from}  # the new weights' stage and step win
+            self._publisher.streamed(history, self._entry.values or {}, metadata)
+            return _Taken(source)
+        if source in (WeightSource.MASTERS, WeightSource.BUILT):
+            entry, built, trained = self._entry.values or {}, self._entry.built, source is WeightSource.MASTERS
+            values, gathered = collectives.all_ranks(
+                lambda: take_from_engine(self.module, history.original, entry, trained=trained, built=built, host=host),
+                "consolidating the ZeRO shards",
+            )
+            return _Taken(source, values, gathered)
+        if source is WeightSource.CHECKPOINT:
+            assert self._loaded is not None
+            original = history.original
+            loaded = {n: v.detach().to("cpu", original[n][0]) for n, v in self._loaded.items() if n in original}
+            return _Taken(source, loaded)
+        if source is WeightSource.ENTRY:
+            return _Taken(source, self._entry_values(history))
+        return _Taken(source)  # the handoff holds them: the module takes nothing back
+
+    def _keep_engine_state(
+        self, engine: Any, taken: _Taken, history: ModuleHistory, lr_schedulers: Sequence[Mapping[str, Any]],
+        clock: _PhaseClock,
+    ) -> KeptTraining | None:
+        """What the engine held beyond the module, where it trained the weights: the fp32 masters of 16-bit
+        parameters and this rank's files of DeepSpeed's checkpoint (fingerprinted once the module has them)."""
+        trained = taken.source.trained
+        if trained:
+            self._memory.kept_state_ready()
+        clock("kept_host_memory_ready")
+        checkpoint, missing = self._memory.keep_engine_state(engine) if trained else (None, "")
+        clock("keep_engine_state")
+        if not trained:
+            return None
+        return KeptTraining(
+            {}, masters=_masters_in(taken.values or {}, history), checkpoint=checkpoint, missing=missing,
+            lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=collectives.world_size(),
+        )
+
+    def _destroy(self, engine: Any | None) -> None:
+        """DeepSpeed removes what it registered; then whatever the module's footprint did not have goes."""
+        if engine is not None:
+            zero_engine.destroy_engine(engine)
+        zero_engine.strip_deepspeed_state(self.module, self._entry.footprint)
+
+    def _restore(self, taken: _Taken, history: ModuleHistory) -> dict[str, torch.Tensor] | None:
+        """Give the module plain tensors holding the taken weights, in its original dtype and device (each
+        parameter object stays). Returns what the handoff holds of them: fp32 masters where there are some."""
+        values = taken.values
+        if values is None:
+            return None
+        masters = self._entry.masters if taken.source is WeightSource.ENTRY else _masters_in(values, history)
+        placed = {}
+        for name, value in values.items():
+            dtype, device = history.original.get(name, (value.dtype, value.device))
+            placed[name] = value.to(device="cpu" if device.type == "meta" else device, dtype=dtype)
+        assign_values(self.module, placed)
+        return {**values, **{n: m for n, m in masters.items() if n in values}}
+
+    def _remember(
+        self, kept: KeptTraining | None, history: ModuleHistory, restored: Mapping[str, torch.Tensor]
+    ) -> None:
+        """New weights' kept engine state is the module's, for the tensors it holds now (``restored``); the
+        kept state's host memory stays locked while that state lives, the rest of it is unlocked."""
+        if kept is not None:
+            history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
+        self._memory.release_kept_state(history.kept if kept is not None and kept.checkpoint is not None else None)
+
+    def _publish(
+        self,
+        taken: _Taken,
+        history: ModuleHistory,
+        handoff: Mapping[str, torch.Tensor] | None,
+        restored: Mapping[str, torch.Tensor],
+        host: HostBuffers | None,
+        failure: _FirstFailure,
+        *,
+        gather: bool,
+        background: bool,
+    ) -> None:
+        """Have the handoff written when it does not hold the module's weights: by the writer, with every rank
+        here (a foreground write is joined now; its failure is noted); otherwise by rank 0 alone."""
+        if WeightSource.STREAMED in taken.failed:
+            history.lost()  # its write failed: the next stage writes the weights the module now holds
+            _unlock(host)
+        elif handoff is None or history.holds(self.target, restored):
+            _unlock(host)
+        elif not gather:
+            _unlock(host)
+            self._publisher.alone(history, handoff)
+        else:
+            self._publisher.start(history, handoff, restored, gathered=taken.gathered, host=host, background=background)
+            if not background:
+                failure.attempt(self.writer.join)  # the module keeps the new weights; then the failure is raised
+
+    def _entry_values(self, history: ModuleHistory) -> dict[str, torch.Tensor] | None:
+        """The weights the stage started with (a stage that changed none, or failed on another rank)."""
+        entry = self._entry.values
+        if entry is None or isinstance(entry, HandoffReader):
+            return None
+        missing = [n for n in history.original if n not in entry]
+        if missing:  # built by zero.Init in this call, and the engine could not be asked for them
+            log.error(
+                "stagesafe: the stage failed before the weights of %s (built by zero.Init) could be gathered; "
+                "those parameters stay DeepSpeed placeholders and the next stage refuses the module",
+                missing[:3],
+            )
+            return None
+        return {n: entry[n] for n in history.original}
+
+
+def _masters_in(values: Mapping[str, torch.Tensor], history: ModuleHistory) -> dict[str, torch.Tensor]:
+    """The values held in another dtype than the module's original one: fp32 masters of 16-bit parameters."""
+    return {n: v for n, v in values.items() if v.dtype != history.original[n][0]}
+
+
+def _meta_tensors(
+    specs: Mapping[str, tuple[torch.Size, torch.dtype]], history: ModuleHistory
+) -> dict[str, torch.Tensor]:
+    """Meta tensors of the module's full shapes, in its original dtypes."""
+    return {
+        name: torch.empty(shape, dtype=history.original[name][0], device="meta")
+        for name, (shape, _) in specs.items()
+        if name in history.original
+    }
+
+
+def _unlock(host: HostBuffers | None) -> None:
+    if host is not None:
+        host.unlock()
+
+
+def _absence(target: HandoffTarget) -> tuple[bool, str] | None:
+    """Why the handoff at ``target`` is not there whole (``missing``: it is gone), or None."""
+    try:
+        check_present(target.uri, storage_options=target.storage_options)
+    except HandoffNotFoundError as exc:
+        return True, str(exc)
+    except HandoffCorruptError as exc:
+        return False, str(exc)
+    return None
+
+
+def _join_elsewhere(history: ModuleHistory | None, writer: HandoffWriter) -> None:
+    """A write of this module's handoff by another strategy's writer (an earlier Trainer) is joined now."""
+    other = history.writer if history is not None else None
+    if other is not None and other is not writer and other.pending:
+        other.join()
+
+
+class _FirstFailure:
+    """The first failure among an exit's steps, raised once the module is plain again.
+
+    It catches ``BaseException``: a Ctrl+C (``KeyboardInterrupt``) in the middle of a step must still leave the
+    engine destroyed and the module holding plain tensors before it is re-raised, as any other failure does.
+    """
+
+    def __init__(self) -> None:
+        self.error: BaseException | None = None
+
+    def attempt(self, step: Callable[[], T]) -> T | None:
+        """``step()``'s result, or None once its failure is noted."""
+        try:
+            return step()
+        except BaseException as exc:  # noqa: BLE001 - a cleanup runs before a Ctrl+C is re-raised (see above)
+            self.error = self.error or exc
+            return None
+
+    def raise_first(self) -> None:
+        if self.error is not None:
+            raise self.error
+
+
+class _PhaseClock:
+    """Records the seconds since the previous mark under each phase name."""
+
+    def __init__(self, into: dict[str, float]) -> None:
+        self.into = into
+        self.last = time.perf_counter()
+
+    def __call__(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.into[phase] = now - self.last
+        self.last = now

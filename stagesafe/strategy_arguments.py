@@ -1,0 +1,104 @@
+"""The strategy's own arguments, checked when it is built: before any process group starts, so that a mistake
+fails at once, in one line, naming the argument and what to pass instead of failing on some rank mid-job; and
+the DeepSpeed config an inference engine gets from the user's."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any, Optional
+
+from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError
+from stagesafe.handoff.fs import is_local, resolve
+from stagesafe.handoff.manifest import MANIFEST_NAME
+
+__all__ = [
+    "BETWEEN_STAGES",
+    "check_between_stages",
+    "check_keywords",
+    "check_local_handoff",
+    "checked_bool",
+    "checked_storage_options",
+    "checked_url",
+    "inference_config",
+]
+
+BETWEEN_STAGES = ("cpu", "meta")
+
+
+def check_keywords(kwargs: Mapping[str, Any], known: Iterable[str], *, owner: str) -> None:
+    """A misspelt argument names ``owner`` and the argument meant, not Lightning's base class."""
+    names = sorted(set(known) - {"self", "args", "kwargs"})
+    for name in kwargs:
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def checked_storage_options(value: Any) -> dict[str, Any]:
+    if value is not None and not isinstance(value, Mapping):
+        raise TypeError(f"storage_options must be a dict of fsspec options, got {type(value).__name__}")
+    return dict(value or {})
+
+
+def checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Optional[str]:
+    """A str URL whose fsspec protocol is known and installed (nothing is read or written yet)."""
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
+    resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
+    return os.fspath(value)
+
+
+def check_local_handoff(name: str, url: str, storage_options: Mapping[str, Any]) -> None:
+    """A handoff on the local disk is looked at now, so that a mistyped path fails here and not once every
+    rank has started; one elsewhere is read at the first stage (every rank, before DeepSpeed starts)."""
+    fs, root = resolve(url, dict(storage_options))
+    if not is_local(fs):
+        return
+    if not os.path.isdir(root):
+        raise HandoffNotFoundError(f"{name}={url!r}: there is no such folder; pass the folder of a committed handoff")
+    if not os.path.isfile(os.path.join(root, MANIFEST_NAME)):
+        raise HandoffNotFoundError(
+            f"{name}={url!r} holds no committed handoff (no {MANIFEST_NAME}); pass the folder a strategy's handoff_uri "
+            "or stagesafe.save_state_dict wrote (a DeepSpeed checkpoint folder: consolidate it first, "
+            "stagesafe consolidate SRC DST)"
+        )
+
+
+def check_between_stages(value: Any, *, zero_stage_3: Optional[bool]) -> None:
+    """``between_stages`` is one of the two modes, and ``"meta"`` has ZeRO stage 3 where the config says
+    (``zero_stage_3`` None: a config file, read later)."""
+    if value not in BETWEEN_STAGES:
+        raise InvalidArgumentError(
+            f"between_stages={value!r}: choose 'cpu' (real tensors between stages) or 'meta' (none)"
+        )
+    if value == "meta" and zero_stage_3 is False:
+        raise InvalidArgumentError(
+            "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
+            "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
+        )
+
+
+def checked_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
+
+
+def inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[str, Any]:
+    """DeepSpeed's config for an inference engine: the precision and, under ZeRO-3, the partitioning of
+    ``config``; no optimizer, one sample per step (Lightning's, with ``zero_allow_untested_optimizer`` read
+    where the user may have left it out)."""
+    inference: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+    for key in ("fp16", "bf16"):
+        if key in config:
+            inference[key] = copy.deepcopy(config[key])
+    if zero_stage_3:
+        inference["zero_allow_untested_optimizer"] = config.get("zero_allow_untested_optimizer", True)
+        inference["zero_optimization"] = copy.deepcopy(config["zero_optimization"])
+    return inference

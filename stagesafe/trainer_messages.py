@@ -1,0 +1,56 @@
+"""What the strategy tells the user, through Lightning's rank-zero logging: the line a committed background write
+prints, the line each stage boundary logs, and the warning for a ``fit`` that has nothing left to train."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from stagesafe.stages.boundary import BoundaryReport
+
+__all__ = ["boundary_line", "megabytes", "say_committed", "warn_if_fit_has_nothing_left"]
+
+
+def say_committed(uri: str, commit: Any, seconds: float) -> None:
+    """Rank 0's line, at Lightning's default level, once a background write has committed."""
+    size = sum(record["size"] for record in commit.manifest["shards"].values())
+    metadata = commit.manifest.get("metadata", {})
+    what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
+    rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")
+
+
+def boundary_line(report: "BoundaryReport", *, waited: bool) -> str:
+    """One line for a stage's boundary: how long it took, and whether the handoff was written."""
+    if report.wrote and not waited:
+        written = "being written in the background"
+    else:
+        written = "written" if report.wrote else "unchanged"
+    size = f" ({megabytes(report.handoff_bytes)})" if report.handoff_bytes else ""
+    clean = "" if report.clean else f"; NOT clean: {report.stale_problems}"
+    return f"stagesafe: {report.stage} boundary {report.seconds:.2f}s; handoff {written} at {report.uri}{size}{clean}"
+
+
+def megabytes(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
+    """Lightning's ``fit`` on a Trainer that already reached its ``max_epochs``/``max_steps`` returns at once
+    without training; users who reuse one Trainer across stages meet that silently."""
+    loop = trainer.fit_loop
+    if trainer.state.fn != TrainerFn.FITTING or trainer.ckpt_path is not None:
+        return
+    steps = loop.max_steps not in (None, -1) and loop.epoch_loop.global_step >= loop.max_steps
+    epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
+    if steps or epochs:
+        limit = f"max_steps={loop.max_steps}" if steps else f"max_epochs={loop.max_epochs}"
+        rank_zero_warn(
+            f"this Trainer has already trained to {limit}: fit will return without a step. To train on, raise "
+            f"trainer.fit_loop.{'epoch_loop.max_steps' if steps else 'max_epochs'} before calling fit, or use a new "
+            "Trainer (the module keeps its weights across Trainers)"
+        )

@@ -1,0 +1,51 @@
+"""Everything that touches DeepSpeed internals, and nothing else.
+
+DeepSpeed leaves state on the module it wraps: ``ds_*`` attributes and bound methods on every parameter,
+``ds_*``/``_external_params`` attributes and a ``ZeROOrderedDict`` on every submodule, forward hooks, and
+empty ``.data`` where a ZeRO-3 partition used to be. This package reads the consolidated weights out of a live
+engine, loads exact values into one, and takes a module back to the plain state it had before the engine.
+When DeepSpeed changes, this is the one place that changes with it. Its files, by job: what a parameter says of
+ZeRO (:mod:`.parameters`), the state an engine leaves on a module and taking it away (:mod:`.traces`: footprint,
+stale state, strip, destroy), the weights read out of a live engine (:mod:`.values_out`: full specs, gathered
+values, fp32 masters) and put into one (:mod:`.values_in`: partitions from values, loaded values, masters set), and
+the engine's own checkpoint files (:mod:`.checkpoint_state`). Callers use the names below, from this package.
+"""
+
+from stagesafe.zero.engine.checkpoint_state import (
+    _tensors_in,  # noqa: F401  (private: tests reach it through the package)
+    _to_host,  # noqa: F401  (private: tests reach it through the package)
+    checkpoint_device_specs,
+    checkpoint_files,
+    foreseen_state_specs,
+)
+from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
+from stagesafe.zero.engine.traces import (
+    ModuleFootprint,
+    destroy_engine,
+    find_stale_state,
+    is_engine,
+    strip_deepspeed_state,
+    take_footprint,
+)
+from stagesafe.zero.engine.values_in import load_values_into_engine, partition_from_values, set_fp32_masters
+from stagesafe.zero.engine.values_out import GatheredValues, full_specs
+
+__all__ = [
+    "GatheredValues",
+    "full_specs",
+    "partition_from_values",
+    "ModuleFootprint",
+    "take_footprint",
+    "find_stale_state",
+    "is_engine",
+    "has_fp32_master",
+    "is_zero3_param",
+    "full_shape",
+    "set_fp32_masters",
+    "load_values_into_engine",
+    "destroy_engine",
+    "strip_deepspeed_state",
+    "checkpoint_files",
+    "checkpoint_device_specs",
+    "foreseen_state_specs",
+]

@@ -1,0 +1,137 @@
+"""The engine's own checkpoint, kept instead of written: the files DeepSpeed's ``save_checkpoint`` would write for
+this rank, every tensor copied to host memory (so that they outlive the engine), and the device tensors that copy
+will need, known beforehand so that host memory can be made ready while the stage runs."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+# Page-locked host memory made ready for a device tensor's copy (shape, dtype), or None where there is none.
+HostMemory = Callable[[torch.Size, torch.dtype], "torch.Tensor | None"]
+
+
+def checkpoint_files(
+    engine: Any, *, exclude_frozen: bool, host_memory: HostMemory | None = None
+) -> dict[str, dict[str, Any]] | None:
+    """The files DeepSpeed's ``save_checkpoint`` would write for this rank now (file name in the tag folder ->
+    its state: module placeholders, parameter shapes, step counts, lr scheduler, and the optimizer's partition:
+    fp32 masters, moments, loss scaler), every tensor copied to host memory, so that they outlive the engine.
+
+    DeepSpeed's own code builds them (its checkpoint engine is swapped for one that keeps instead of writing),
+    so they are what ``load_checkpoint`` and ``zero_to_fp32`` expect. ``host_memory(shape, dtype)``: page-locked
+    memory made ready beforehand for a device tensor's copy, or None (then it is allocated here, which costs
+    far more than the copy). Purely local: no collective. None where DeepSpeed keeps state outside them
+    (NVMe-swapped optimizer states, MoE layers).
+    """
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    files = _checkpoint_states(engine, exclude_frozen, lambda state: _to_host(state, copies, host_memory))
+    for device in {source.device for source, _ in copies if source.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
+    return files
+
+
+def checkpoint_device_specs(engine: Any, *, exclude_frozen: bool) -> list[tuple[torch.Size, torch.dtype]] | None:
+    """Shape and dtype of every device tensor :func:`checkpoint_files` would copy now, copying nothing: the
+    host memory to prepare while the stage runs (after the first optimizer step: optimizers such as Adam make
+    their state then). None where it would return None."""
+    specs: list[tuple[torch.Size, torch.dtype]] = []
+
+    def note(state: Any) -> None:
+        for tensor in _tensors_in(state):
+            if tensor.device.type == "cuda":
+                specs.append((tensor.shape, tensor.dtype))
+
+    return specs if _checkpoint_states(engine, exclude_frozen, note, settle=False) is not None else None
+
+
+# Optimizers whose state per parameter is known before their first step: tensors of the parameter's shape and dtype.
+_STATE_LIKE_PARAMETER = {"Adam": 2, "AdamW": 2, "FusedAdam": 2, "SGD": 0}
+
+
+def foreseen_state_specs(engine: Any) -> list[tuple[torch.Size, torch.dtype]]:
+    """The device tensors the optimizer will make at its first step, for optimizers that say so by their kind
+    (Adam's two moments, each shaped as its fp32 master): host memory for them can be made ready from the
+    engine's start. Empty when the state exists already or the optimizer is another kind."""
+    base = getattr(engine.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
+    per_parameter = _STATE_LIKE_PARAMETER.get(type(base).__name__) if base is not None else None
+    if not per_parameter or any(base.state.values()):
+        return []
+    return [(p.shape, p.dtype) for group in base.param_groups for p in group["params"]
+            if p.device.type == "cuda" for _ in range(per_parameter)]
+
+
+def _checkpoint_states(
+    engine: Any, exclude_frozen: bool, keep: Callable[[dict[str, Any]], Any], *, settle: bool = True
+) -> dict[str, Any] | None:
+    """File name -> ``keep(state)`` for each file DeepSpeed's checkpoint would write for this rank now.
+    ``settle``: first release the ZeRO-3 parameters a step left gathered (not while training goes on)."""
+    if engine.optimizer is None or engine.has_moe_layers or engine.zero_nvme_offload_optimizer():
+        return None
+    import os
+
+    from deepspeed.git_version_info import version
+
+    files: dict[str, Any] = {}
+
+    class _Keep:
+        def save(self, state_dict: dict, path: str) -> None:
+            files[os.path.basename(path)] = keep(state_dict)
+
+        def makedirs(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+    if settle and hasattr(engine.optimizer, "empty_partition_cache"):
+        # ZeRO-3 parameters the last step left gathered (prefetched for a next forward) are written as the
+        # placeholders they are between steps, as a save during the stage writes them, not as full tensors
+        engine.optimizer.empty_partition_cache()
+    writer, engine.checkpoint_engine = engine.checkpoint_engine, _Keep()
+    try:
+        engine._save_checkpoint("", "", client_state={}, exclude_frozen_parameters=exclude_frozen)
+        if engine.save_zero_checkpoint:
+            state = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
+                     "ds_version": version}
+            engine.checkpoint_engine.save(state, engine._get_zero_ckpt_name("", ""))
+    finally:
+        engine.checkpoint_engine = writer
+    return files
+
+
+def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in ``obj``'s dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors_in(value)
+    elif type(obj) in (list, tuple):
+        for value in obj:
+            yield from _tensors_in(value)
+
+
+def _to_host(
+    obj: Any, copies: list[tuple[torch.Tensor, torch.Tensor]], host_memory: HostMemory | None = None
+) -> Any:
+    """``obj`` with every tensor in its dicts, lists and tuples replaced by a host copy of its own (a device
+    tensor into page-locked memory, asynchronously: synchronize before reading); other values are shared."""
+    if isinstance(obj, torch.Tensor):
+        source = obj.detach()
+        if source.device.type != "cuda":
+            copy = source.to("cpu", copy=True)
+        else:
+            copy = host_memory(source.shape, source.dtype) if host_memory is not None else None
+            if copy is None:
+                copy = torch.empty(source.shape, dtype=source.dtype, pin_memory=True)
+            copy.copy_(source, non_blocking=True)
+        copies.append((source, copy))
+        return copy
+    if isinstance(obj, dict):
+        copied = obj.copy()  # keeps the mapping's class (OrderedDict, ...)
+        for key, value in obj.items():
+            copied[key] = _to_host(value, copies, host_memory)
+        return copied
+    if type(obj) in (list, tuple):
+        return type(obj)(_to_host(value, copies, host_memory) for value in obj)
+    return obj

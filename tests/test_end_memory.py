@@ -1,0 +1,75 @@
+"""The host memory a stage's end copies into, chosen while the stage runs: on the CPU (nothing to page-lock)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stagesafe.stages.end_memory import EndMemory, end_specs
+from stagesafe.stages.history import state_tensors
+
+
+def _memory(**kwargs) -> EndMemory:
+    options = {"device": torch.device("cpu"), "max_shard_size": "1GB", "writers": 1, "training": True,
+               "keep_optimizer_state": True, "exclude_frozen": False, "stage": "fit", **kwargs}
+    return EndMemory(**options)
+
+
+def _module() -> nn.Module:
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).to(torch.bfloat16))
+    module[1].weight.requires_grad_(False)  # frozen: it comes back from the engine as it went in
+    return module
+
+
+def _original(module: nn.Module) -> dict:
+    return {n: (t.dtype, t.device) for n, t in state_tensors(module).items()}
+
+
+def test_a_fit_copies_fp32_masters_into_the_modules_own_tensors_and_16_bit_ones_into_new_fp32_ones():
+    module = _module()
+    tensors = state_tensors(module)
+    memory = _memory()
+    memory.prepare_weights(module, tensors, original=_original(module), built=set())
+    weights = memory.weights_ready()
+    assert sorted(weights.existing) == ["0.bias", "0.weight", "1.bias", "2.bias", "2.weight", "3.bias", "3.weight"]
+    assert all(weights.existing[n].data_ptr() == tensors[n].data_ptr() for n in ("0.weight", "0.bias", "1.bias"))
+    for name in ("3.weight", "3.bias"):  # the module holds bf16: its fp32 master lands in host memory of its own
+        assert weights.existing[name].dtype == torch.float32 and weights.existing[name].shape == tensors[name].shape
+    # this rank writes every shard: private copies of what the user could change, not of 16-bit masters
+    assert sorted(weights.fresh) == ["0.bias", "0.weight", "1.bias", "2.bias", "2.weight"]
+    assert all(weights.fresh[n].data_ptr() != tensors[n].data_ptr() for n in weights.fresh)
+    assert memory.written_here == set(tensors)
+
+
+def test_a_parameter_zero_init_built_gets_new_host_memory_of_its_full_shape():
+    module = _module()
+    tensors = state_tensors(module)
+    module[0].weight.ds_shape = torch.Size([3, 4])
+    module[0].weight.data = torch.empty(0)  # a ZeRO-3 placeholder: only the engine has its value
+    tensors = state_tensors(module)
+    memory = _memory()
+    memory.prepare_weights(module, tensors, original=_original(module), built={"0.weight"})
+    new = memory.weights_ready().existing["0.weight"]
+    assert new.shape == (3, 4) and new.dtype == torch.float32 and new.data_ptr() != tensors["0.weight"].data_ptr()
+    assert end_specs(module, tensors, original=_original(module), built={"0.weight"})[0]["0.weight"]["shape"] == [3, 4]
+
+
+def test_nothing_is_prepared_where_nothing_trains_and_tied_names_are_planned_once():
+    module = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    module[1].weight = module[0].weight
+    for param in module.parameters():
+        param.requires_grad_(False)
+    memory = _memory()
+    memory.prepare_weights(module, state_tensors(module), original=_original(module), built=set())
+    assert memory.weights_ready() is None and memory.written_here is None
+    specs, aliases = end_specs(module, state_tensors(module), original=_original(module), built=set())
+    assert aliases == {"1.weight": "0.weight"}
+    assert memory.plan_writes(specs, aliases) == {"0.weight", "0.bias", "1.bias"}  # a tied name is its first's
+    assert memory.plan_writes({}, {}) is memory.written_here  # planned once: the stage's end reuses it
+
+
+def test_a_fit_that_keeps_no_optimizer_state_says_why_without_asking_the_engine():
+    memory = _memory(keep_optimizer_state=False)
+    assert memory.keep_engine_state(engine=None) == (
+        None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls"
+    )
