@@ -301,3 +301,31 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
         again.enter()
         _end(again, trained=True, gather=False)
         assert_bitwise_equal(stagesafe.load_state_dict(str(tmp_path / "again")), handoff)
+
+
+@pytest.mark.slow
+def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers_device_thread(one_rank, tmp_path):
+    """The call does not wait for the kept optimizer state's host memory nor its copy: the writer's device
+    thread copies it after the engine is gone, and it is then DeepSpeed's checkpoint as it was, in host memory
+    of its own."""
+    from stagesafe.zero.engine import _tensors_in, checkpoint_files
+
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    writer, uri = _writer(), str(tmp_path / "h")
+    boundary = _boundary(module, uri, writer, "fit", training=True, device=torch.device("cpu"))
+    boundary.enter()
+    engine = _engine(module)
+    boundary.engine_built(engine, training=True)
+    expected = checkpoint_files(engine, exclude_frozen=False)  # copied now, before the end
+    engine_memory = {t.data_ptr() for t in _tensors_in(engine.optimizer.state_dict())}
+    report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=True)
+    writer.join()
+    assert "kept_state_copy" in report.phases and "kept_host_memory_ready" not in report.phases
+    kept = history_of(module).kept
+    assert kept is not None and kept.missing == "" and sorted(kept.checkpoint) == sorted(expected)
+    for name, state in expected.items():
+        got, want = list(_tensors_in(kept.checkpoint[name])), list(_tensors_in(state))
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert_bitwise_equal({"t": a}, {"t": b})
+            assert a.device.type == "cpu" and a.data_ptr() not in engine_memory  # a copy, not the engine's

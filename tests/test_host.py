@@ -55,3 +55,18 @@ def test_a_host_pool_adds_only_what_it_does_not_hold_yet():
     assert all(t is not None for t in taken) and len({t.data_ptr() for t in taken}) == 3
     assert pool.take(*a) is None and pool.take(*b) is None  # no duplicate was made
     pool.close(None)
+
+
+def test_making_host_memory_ready_waits_while_it_is_held_and_ready_never_waits_for_a_hold():
+    import threading
+
+    go_on = threading.Event()
+    buffers = HostBuffers({}, {"a": (torch.Size([1 << 20]), torch.float32)}, lock_on=None, go_on=go_on)
+    buffers._thread.join(0.3)
+    assert buffers._thread.is_alive() and buffers.fresh == {}  # held before its first piece
+    go_on.set()
+    assert buffers.ready().fresh["a"].shape == (1 << 20,)
+    pool = HostPool([(torch.Size([1 << 20]), torch.float32)], lock_on=None)
+    with pool.held():
+        assert pool.ready().take(torch.Size([1 << 20]), torch.float32) is not None  # no deadlock inside the hold
+    pool.close(None)

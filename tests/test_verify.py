@@ -208,3 +208,30 @@ def test_json_that_is_not_the_formats_is_a_corrupt_handoff(tmp_path, name, conte
     (tmp_path / "h" / name).write_bytes(content)
     with pytest.raises(HandoffCorruptError, match=expected):
         verify(url)
+
+
+def test_verify_during_a_commit_reads_the_new_handoff_instead_of_calling_the_index_stale(tmp_path):
+    """A save writes its index just before its manifest: verify meeting the new index beside the old manifest
+    waits a moment for that commit and then verifies the handoff it committed."""
+    import os
+    import shutil
+    import threading
+
+    folder, other = tmp_path / "h", tmp_path / "other"
+    save_state_dict({"w": torch.zeros(4)}, str(folder))
+    new = save_state_dict({"w": torch.ones(4)}, str(other))
+    for shard in new["shards"]:  # the new save's shards and index are in place; its manifest is not, yet
+        shutil.copy(other / shard, folder / shard)
+    shutil.copy(other / INDEX, folder / INDEX)
+
+    def commit() -> None:
+        shutil.copy(other / MANIFEST, folder / "manifest.tmp")
+        os.replace(folder / "manifest.tmp", folder / MANIFEST)
+
+    committing = threading.Timer(0.3, commit)
+    committing.start()
+    try:
+        assert verify(str(folder))["shards"] == new["shards"]
+    finally:
+        committing.join()
+    assert_bitwise_equal(load_state_dict(str(folder)), {"w": torch.ones(4)})

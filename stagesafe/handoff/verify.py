@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
@@ -36,6 +37,8 @@ from stagesafe.handoff.safe_files import open_in, read_in, size_of
 __all__ = ["verify"]
 
 log = logging.getLogger(__name__)
+
+_COMMIT_GRACE = 2.0  # seconds an index that differs from the manifest may wait for the commit it belongs to
 
 
 def verify(
@@ -85,6 +88,7 @@ def _verify(
         write_index(folder, manifest)
         log.warning("stagesafe: %s; it was rewritten from the manifest", stale)
     elif stale is not None:
+        _wait_for_a_commit(folder, manifest)  # a writer between its index and its manifest: read again after it
         raise HandoffCorruptError(
             f"{stale}. Loaders that follow the index (transformers, safetensors' sharded loaders) would read "
             "other tensors than the handoff holds; its shards verified against the manifest. Rewrite the index "
@@ -92,6 +96,17 @@ def _verify(
             "fix_index=True)), or save the handoff again"
         )
     return manifest
+
+
+def _wait_for_a_commit(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
+    """Return once the committed manifest differs from ``manifest``, or after a short grace: a save writes its
+    index just before its manifest, so an index that differs may be one whose commit lands a moment later (the
+    caller then reads the new handoff), and only one that stays is an interrupted save's."""
+    deadline = time.monotonic() + _COMMIT_GRACE
+    while time.monotonic() < deadline:
+        time.sleep(0.02)
+        if fetch_manifest(folder) != manifest:
+            return
 
 
 def _verify_shard(

@@ -317,21 +317,24 @@ class StageBoundary:
         history = self._entered()
         failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
         clock("join_last_write")
-        host = self._memory.weights_ready()
-        clock("host_memory_ready")
-        meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
-        sources = self._weight_sources(engine, history, trained=trained, gather=gather)
-        taken = self._take(sources, engine, history, host, weights_from, failure)
-        clock("consolidate")
-        kept = self._keep_engine_state(engine, taken, history, lr_schedulers, clock)
+        with self._memory.kept_state_held():  # the weights' copies first
+            host = self._memory.weights_ready()
+            clock("host_memory_ready")
+            meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
+            sources = self._weight_sources(engine, history, trained=trained, gather=gather)
+            taken = self._take(sources, engine, history, host, weights_from, failure)
+            clock("consolidate")
+        kept, later = self._keep_engine_state(engine, taken, history, lr_schedulers, clock, later=background)
         self._destroy(engine)
         clock("destroy")
         handoff = self._restore(taken, history)
         restored = state_tensors(self.module)
-        self._remember(kept, history, restored)
+        self._remember(kept, history, restored, copied=later is None)
         keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
-        self._publish(taken, history, handoff, restored, host, failure, gather=gather,
-                      background=background and not keeps_meta)
+        copy_kept = self._memory.kept_state_copy(later, history) if later is not None else None
+        if not self._publish(taken, history, handoff, restored, host, failure, gather=gather,
+                             background=background and not keeps_meta, keep=copy_kept) and copy_kept is not None:
+            copy_kept()  # no write took it to its device thread: now
         clock("publish")
         if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
             self._meta_values = _meta_tensors(meta_specs, history)
@@ -430,22 +433,28 @@ class StageBoundary:
 
     def _keep_engine_state(
         self, engine: Any, taken: _Taken, history: ModuleHistory, lr_schedulers: Sequence[Mapping[str, Any]],
-        clock: _PhaseClock,
-    ) -> KeptTraining | None:
+        clock: _PhaseClock, *, later: bool,
+    ) -> tuple[KeptTraining | None, zero_engine.LaterCopies | None]:
         """What the engine held beyond the module, where it trained the weights: the fp32 masters of 16-bit
-        parameters and this rank's files of DeepSpeed's checkpoint (fingerprinted once the module has them)."""
+        parameters and this rank's files of DeepSpeed's checkpoint (fingerprinted once the module has them).
+        ``later``: the files keep the engine's device tensors, copied off the device after the call returned
+        (:meth:`EndMemory.kept_state_copy`), so that the call waits neither for their host memory nor for the copy."""
         trained = taken.source.trained
-        if trained:
-            self._memory.kept_state_ready()
-        clock("kept_host_memory_ready")
-        checkpoint, missing = self._memory.keep_engine_state(engine) if trained else (None, "")
-        clock("keep_engine_state")
         if not trained:
-            return None
-        return KeptTraining(
+            return None, None
+        copies = None
+        if later:
+            checkpoint, missing, copies = self._memory.keep_engine_state_later(engine)
+        else:
+            self._memory.kept_state_ready()
+            clock("kept_host_memory_ready")
+            checkpoint, missing = self._memory.keep_engine_state(engine)
+        clock("keep_engine_state")
+        kept = KeptTraining(
             {}, masters=_masters_in(taken.values or {}, history), checkpoint=checkpoint, missing=missing,
             lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=collectives.world_size(),
         )
+        return kept, copies
 
     def _destroy(self, engine: Any | None) -> None:
         """DeepSpeed removes what it registered; then whatever the module's footprint did not have goes."""
@@ -468,13 +477,14 @@ class StageBoundary:
         return {**values, **{n: m for n, m in masters.items() if n in values}}
 
     def _remember(
-        self, kept: KeptTraining | None, history: ModuleHistory, restored: Mapping[str, torch.Tensor]
+        self, kept: KeptTraining | None, history: ModuleHistory, restored: Mapping[str, torch.Tensor], *, copied: bool
     ) -> None:
-        """New weights' kept engine state is the module's, for the tensors it holds now (``restored``); the
-        kept state's host memory stays locked while that state lives, the rest of it is unlocked."""
+        """New weights' kept engine state is the module's, for the tensors it holds now (``restored``). Once it
+        is ``copied`` off the device, its host memory stays locked while that state lives, the rest is unlocked."""
         if kept is not None:
             history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
-        self._memory.release_kept_state(history.kept if kept is not None and kept.checkpoint is not None else None)
+        if copied:
+            self._memory.release_kept_state(history.kept if kept is not None and kept.checkpoint is not None else None)
 
     def _publish(
         self,
@@ -487,9 +497,11 @@ class StageBoundary:
         *,
         gather: bool,
         background: bool,
-    ) -> None:
+        keep: Callable[[], None] | None = None,
+    ) -> bool:
         """Have the handoff written when it does not hold the module's weights: by the writer, with every rank
-        here (a foreground write is joined now; its failure is noted); otherwise by rank 0 alone."""
+        here (a foreground write is joined now; its failure is noted); otherwise by rank 0 alone. Whether a
+        background write took ``keep`` (device work of this boundary's) to its device thread."""
         if WeightSource.STREAMED in taken.failed:
             history.lost()  # its write failed: the next stage writes the weights the module now holds
             _unlock(host)
@@ -499,9 +511,13 @@ class StageBoundary:
             _unlock(host)
             self._publisher.alone(history, handoff)
         else:
-            self._publisher.start(history, handoff, restored, gathered=taken.gathered, host=host, background=background)
+            keep = keep if background else None
+            self._publisher.start(history, handoff, restored, gathered=taken.gathered, host=host, background=background,
+                                  keep=keep)
             if not background:
                 failure.attempt(self.writer.join)  # the module keeps the new weights; then the failure is raised
+            return keep is not None
+        return False
 
     def _entry_values(self, history: ModuleHistory) -> dict[str, torch.Tensor] | None:
         """The weights the stage started with (a stage that changed none, or failed on another rank)."""

@@ -9,6 +9,7 @@ what one stage prepares, and plans once which names this rank writes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from stagesafe.stages import collectives
+from stagesafe.stages.history import KeptTraining, ModuleHistory
 from stagesafe.stages.host import HostBuffers, HostPool
 from stagesafe.stages.shared_write import names_written_by
 from stagesafe.zero import engine as zero_engine
@@ -139,6 +141,10 @@ class EndMemory:
         self._stepped = True
         self._size(lambda: zero_engine.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or [])
 
+    def kept_state_held(self) -> contextlib.AbstractContextManager:
+        """While the block runs, the kept state's pool is not made ready (the weights' copies come first)."""
+        return self._kept_state.held() if self._kept_state is not None else contextlib.nullcontext()
+
     def kept_state_ready(self) -> None:
         if self._kept_state is not None:
             self._kept_state.ready()
@@ -146,19 +152,62 @@ class EndMemory:
     def keep_engine_state(self, engine: Any) -> tuple[dict[str, dict[str, Any]] | None, str]:
         """This rank's files of DeepSpeed's checkpoint now (copied into the pool where it has room), or None
         and why there are none, said when a checkpoint is saved without them."""
-        if not self._keep:
-            return None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls"
+        pool = self._kept_state
+        files, missing, _ = self._engine_files(lambda: (zero_engine.checkpoint_files(
+            engine, exclude_frozen=self._exclude_frozen, host_memory=pool.take if pool is not None else None
+        ), None))
+        return files, missing
+
+    def keep_engine_state_later(
+        self, engine: Any
+    ) -> tuple[dict[str, dict[str, Any]] | None, str, zero_engine.LaterCopies | None]:
+        """:meth:`keep_engine_state`, but the tensors on the engine's device stay in the files as they are until
+        :meth:`finish_kept_state` copies them, after the engine is destroyed and the Trainer call has returned:
+        the call does not wait for the pool nor for the copy."""
+        return self._engine_files(lambda: zero_engine.checkpoint_files_later(engine, exclude_frozen=self._exclude_frozen))
+
+    def finish_kept_state(self, later: zero_engine.LaterCopies, owner: Callable[[], Any]) -> None:
+        """Copy what :meth:`keep_engine_state_later` left into the pool (once it is ready), then release the
+        pool: the taken tensors stay locked while ``owner()`` (what holds the kept state then) lives."""
         pool = self._kept_state
         try:
-            files = zero_engine.checkpoint_files(
-                engine, exclude_frozen=self._exclude_frozen, host_memory=pool.take if pool is not None else None
-            )
+            later.finish(pool.ready().take if pool is not None else None)
+        finally:
+            self.release_kept_state(owner())
+
+    def kept_state_copy(self, later: zero_engine.LaterCopies, history: ModuleHistory) -> Callable[[], None]:
+        """The kept state's copy off the device (:meth:`finish_kept_state`), for the writer's device thread,
+        which every collective and the next call's entry wait for; a failure leaves the module without kept
+        state (``history.kept``), and says why when a checkpoint is saved."""
+        files = history.kept.checkpoint if history.kept is not None else None
+
+        def owner() -> KeptTraining | None:
+            return history.kept if history.kept is not None and history.kept.checkpoint is not None else None
+
+        def copy_kept() -> None:
+            try:
+                self.finish_kept_state(later, owner)
+            except Exception as exc:  # noqa: BLE001 - the weights are safe; a checkpoint saved later says this
+                log.warning("stagesafe: could not copy the optimizer state kept at the end of %s: %s", self._stage, exc)
+                kept = history.kept
+                if kept is not None and files is not None and kept.checkpoint is files:
+                    kept.checkpoint, kept.missing = None, f"copying it off the device failed ({type(exc).__name__})"
+
+        return copy_kept
+
+    def _engine_files(
+        self, files_now: Callable[[], tuple[dict[str, dict[str, Any]] | None, Any]]
+    ) -> tuple[dict[str, dict[str, Any]] | None, str, Any]:
+        if not self._keep:
+            return None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls", None
+        try:
+            files, later = files_now()
         except Exception as exc:  # noqa: BLE001 - the weights are what must not be lost; this is said at saving
             log.warning("stagesafe: could not keep the optimizer state at the end of %s: %s", self._stage, exc)
-            return None, f"keeping it at the end of {self._stage} failed ({type(exc).__name__}: {exc})"
+            return None, f"keeping it at the end of {self._stage} failed ({type(exc).__name__}: {exc})", None
         if files is None:
-            return None, "DeepSpeed holds part of it outside its checkpoint files here (NVMe offload or MoE layers)"
-        return files, ""
+            return None, "DeepSpeed holds part of it outside its checkpoint files here (NVMe offload or MoE layers)", None
+        return files, "", later
 
     def release_kept_state(self, owner: Any | None) -> None:
         """The pool is done with: what was not taken is unlocked; the taken tensors stay locked while

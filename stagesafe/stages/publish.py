@@ -60,9 +60,11 @@ class HandoffPublisher:
         gathered: zero_engine.GatheredValues | None,
         host: HostBuffers | None,
         background: bool,
+        keep: Callable[[], None] | None = None,
     ) -> None:
         """Start the writer on ``values``, which the module's ``tensors`` hold. A write that may outlast the
-        call (``background``) reads private copies of the shards this rank writes."""
+        call (``background``) reads private copies of the shards this rank writes. ``keep``: device work of
+        the boundary's own for the writer's device thread, after those copies (the kept optimizer state's)."""
         self._report.wrote = True
         self._report.handoff_bytes = sum({id(v): v.nbytes for v in values.values()}.values())
         private, fill = self._private_copies(values, gathered) if background else (values, None)
@@ -76,6 +78,7 @@ class HandoffPublisher:
             unlock=host.unlock if host is not None else None,
             phases=self._report.phases,
             on_failed=history.lost,
+            keep=keep,
         )
         history.written(self._target, tensors, self._writer)
         self._writer.start(request)

@@ -70,6 +70,7 @@ class WriteRequest:
     unlock: Callable[[], None] | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the boundary's report
     on_failed: Callable[[], None] | None = None  # called on every rank when the write is known to have failed
+    keep: Callable[[], None] | None = None  # more device work once the private copies are made: the kept state's
 
 
 class WriteState(str, enum.Enum):
@@ -207,6 +208,13 @@ class HandoffWriter:
             write.copied.set_exception(exc)  # the write fails with it; the unlock still runs
         else:
             write.copied.set_result(None)
+        if request.keep is not None:  # the optimizer state kept beyond the engine, off the device: not the write's
+            start = time.perf_counter()
+            try:
+                request.keep()
+            except Exception as exc:  # noqa: BLE001 - the write does not depend on it; keep says what it lost
+                log.warning("stagesafe: copying the kept optimizer state off the device failed (%s)", exc)
+            request.phases["kept_state_copy"] = time.perf_counter() - start
         if request.unlock is not None:
             write.returned.wait()
         try:

@@ -15,7 +15,9 @@ from stagesafe.zero.engine.checkpoint_state import (
     _tensors_in,  # noqa: F401  (private: tests reach it through the package)
     _to_host,  # noqa: F401  (private: tests reach it through the package)
     checkpoint_device_specs,
+    LaterCopies,
     checkpoint_files,
+    checkpoint_files_later,
     foreseen_state_specs,
 )
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
@@ -46,6 +48,8 @@ __all__ = [
     "destroy_engine",
     "strip_deepspeed_state",
     "checkpoint_files",
+    "checkpoint_files_later",
+    "LaterCopies",
     "checkpoint_device_specs",
     "foreseen_state_specs",
 ]

@@ -33,6 +33,43 @@ def checkpoint_files(
     return files
 
 
+class LaterCopies:
+    """The tensors of :func:`checkpoint_files_later`'s files that still are the engine's own, and where each
+    sits in them: :meth:`finish` puts a host copy of each in its place. The engine may be destroyed meanwhile:
+    these references keep its tensors, which nothing writes to any more, alive until then."""
+
+    def __init__(self) -> None:
+        self.slots: list[tuple[dict | list, Any]] = []  # (container, key): container[key] is an engine tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(container[key].nbytes for container, key in self.slots)
+
+    def finish(self, host_memory: HostMemory | None = None) -> None:
+        """Copy every tensor left to host memory (``host_memory(shape, dtype)``: page-locked memory made ready
+        for it, or None), in place in the files; the engine's tensors are dropped. Idempotent."""
+        slots, self.slots = self.slots, []
+        devices = {container[key].device for container, key in slots if container[key].device.type == "cuda"}
+        for device in devices:
+            torch.cuda.set_device(device)  # perhaps in another thread: this rank's GPU, before any copy
+        for container, key in slots:
+            container[key] = _to_host(container[key], [], host_memory)
+        for device in devices:
+            torch.cuda.synchronize(device)
+
+
+def checkpoint_files_later(engine: Any, *, exclude_frozen: bool) -> tuple[dict[str, dict[str, Any]] | None, LaterCopies]:
+    """:func:`checkpoint_files` without the copies of the tensors on the engine's own device: the files hold
+    those tensors themselves until :meth:`LaterCopies.finish` (after the engine is destroyed, off the Trainer
+    call's path) copies them. Tensors elsewhere (an offloaded optimizer's, in host memory DeepSpeed may unpin
+    as it is destroyed) are copied now. Purely local: no collective."""
+    later = LaterCopies()
+    device = getattr(engine, "device", None)
+    on_device = device if isinstance(device, torch.device) else torch.device(device) if device is not None else None
+    files = _checkpoint_states(engine, exclude_frozen, lambda state: _containers_copied(state, later, on_device))
+    return files, later
+
+
 def checkpoint_device_specs(engine: Any, *, exclude_frozen: bool) -> list[tuple[torch.Size, torch.dtype]] | None:
     """Shape and dtype of every device tensor :func:`checkpoint_files` would copy now, copying nothing: the
     host memory to prepare while the stage runs (after the first optimizer step: optimizers such as Adam make
@@ -109,6 +146,37 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     elif type(obj) in (list, tuple):
         for value in obj:
             yield from _tensors_in(value)
+
+
+def _containers_copied(obj: Any, later: LaterCopies, on_device: torch.device | None) -> Any:
+    """``obj`` with its dicts, lists and tuples copied; tensors on ``on_device`` left in place and noted in
+    ``later``; the others (and any in a tuple, which cannot be filled in later) copied to host now."""
+    if isinstance(obj, dict):
+        copied: dict | list = obj.copy()  # keeps the mapping's class (OrderedDict, ...)
+        items = obj.items()
+    elif type(obj) is list:
+        copied, items = list(obj), enumerate(obj)
+    elif isinstance(obj, torch.Tensor) or type(obj) is tuple:
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        result = _to_host(obj, copies)
+        for device in {source.device for source, _ in copies if source.device.type == "cuda"}:
+            torch.cuda.synchronize(device)
+        return result
+    else:
+        return obj
+    for key, value in items:
+        if isinstance(value, torch.Tensor) and _same_device(value.device, on_device):
+            copied[key] = value.detach()
+            later.slots.append((copied, key))
+        else:
+            copied[key] = _containers_copied(value, later, on_device)
+    return copied
+
+
+def _same_device(device: torch.device, on_device: torch.device | None) -> bool:
+    if on_device is None or device.type != on_device.type:
+        return False
+    return device.type != "cuda" or (device.index or 0) == (on_device.index or 0)
 
 
 def _to_host(
