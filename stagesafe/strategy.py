@@ -210,8 +210,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             return self._writer
         if self._writer is not None and self._writer.pending:
             self._writer.join()
-        for writer in self._writers():  # the module's writer of another strategy: collectives follow
-            writer.wait_device()
+        self._wait_for_device_work()  # the module's writer of another strategy too: collectives follow
         location = agree_on_location(target)
         if location.writers < self.world_size and self.between_stages == "meta":
             raise InvalidArgumentError(
@@ -318,8 +317,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         """No collective while a writer still needs the device (its copies would queue behind it); after a
         call that some rank left elsewhere, meet the other ranks through the key-value store first, so that a
         rank still inside that call meets a clear timeout instead of a mismatched collective."""
-        for writer in self._writers():
-            writer.wait_device()
+        self._wait_for_device_work()
         ending, self._last_ending = self._last_ending, None
         if ending is not None and self._writer is not None:
             channel = self._writer.channel.sub(f"call-{self._calls}/met")
@@ -331,6 +329,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                     "ranks were still inside it; they fail once their collective times out, and the job's process "
                     f"group cannot be used after that. {_RESTART}"
                 ) from None
+
+    def _wait_for_device_work(self) -> None:
+        for writer in self._writers():
+            writer.wait_device()
 
     @contextlib.contextmanager
     def _named_if_broken(self) -> Generator[None, None, None]:

@@ -42,6 +42,7 @@ __all__ = [
     "sanitized_env",
     "store_channels",
     "two_ranks",
+    "end_process_group",
     "zero_checkpoints",
 ]
 
@@ -391,3 +392,14 @@ def two_ranks(tmp_path_factory):
     """Two gloo ranks for the tests of one module (import this fixture into it)."""
     with GlooRanks(str(tmp_path_factory.mktemp("gloo")), world_size=2) as ranks:
         yield ranks
+
+
+def end_process_group() -> None:
+    """Undo a test's in-process process group: torch's, and DeepSpeed's copy of it (``groups._WORLD_GROUP``),
+    which a later group in the same process would otherwise meet as "not registered"."""
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    groups._WORLD_GROUP = None

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import stagesafe
+from _launch import end_process_group
 from _tensors import assert_bitwise_equal
 from stagesafe.errors import (
     HandoffNotFoundError,
@@ -238,7 +239,6 @@ def test_in_meta_mode_the_module_holds_meta_tensors_and_the_next_engine_is_built
 def one_rank(tmp_path_factory):
     """A gloo process group of one rank, DeepSpeed on the CPU; both undone afterwards."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
-    from deepspeed.utils import groups
 
     from stagesafe.cpu_strategy import use_deepspeed_cpu_accelerator
 
@@ -251,8 +251,7 @@ def one_rank(tmp_path_factory):
         try:
             yield
         finally:
-            dist.destroy_process_group()
-            groups._WORLD_GROUP = None  # DeepSpeed's copy of this group: the next process group is another
+            end_process_group()
             set_accelerator(before)
 
 

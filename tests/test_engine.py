@@ -10,7 +10,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
-from _launch import free_port
+from _launch import end_process_group, free_port
 from _tensors import assert_bitwise_equal
 from torch import nn
 
@@ -58,7 +58,7 @@ def process_group():
     patch.setenv("DS_ACCELERATOR", "cpu")
     deepspeed.init_distributed("gloo", verbose=False)
     yield
-    torch.distributed.destroy_process_group()
+    end_process_group()
     patch.undo()
 
 

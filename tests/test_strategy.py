@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from _launch import end_process_group
 from stagesafe import InvalidArgumentError, StageSafeDeepSpeedStrategy, StorageBackendError
 
 
@@ -141,17 +142,13 @@ def in_process(tmp_path):
     they set are undone afterwards."""
     import os
 
-    import torch.distributed as dist
     from deepspeed.accelerator import get_accelerator, set_accelerator
-    from deepspeed.utils import groups
 
     environ, accelerator = dict(os.environ), get_accelerator()
     try:
         yield tmp_path
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        groups._WORLD_GROUP = None  # DeepSpeed's copy of that group: the next process group is another
+        end_process_group()
         os.environ.clear()
         os.environ.update(environ)
         set_accelerator(accelerator)

@@ -28,8 +28,7 @@ def checkpoint_files(
     """
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     files = _checkpoint_states(engine, exclude_frozen, lambda state: _to_host(state, copies, host_memory))
-    for device in {source.device for source, _ in copies if source.device.type == "cuda"}:
-        torch.cuda.synchronize(device)
+    _synchronize(copies)
     return files
 
 
@@ -49,13 +48,12 @@ class LaterCopies:
         """Copy every tensor left to host memory (``host_memory(shape, dtype)``: page-locked memory made ready
         for it, or None), in place in the files; the engine's tensors are dropped. Idempotent."""
         slots, self.slots = self.slots, []
-        devices = {container[key].device for container, key in slots if container[key].device.type == "cuda"}
-        for device in devices:
+        for device in {container[key].device for container, key in slots if container[key].device.type == "cuda"}:
             torch.cuda.set_device(device)  # perhaps in another thread: this rank's GPU, before any copy
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for container, key in slots:
-            container[key] = _to_host(container[key], [], host_memory)
-        for device in devices:
-            torch.cuda.synchronize(device)
+            container[key] = _to_host(container[key], copies, host_memory)
+        _synchronize(copies)
 
 
 def checkpoint_files_later(engine: Any, *, exclude_frozen: bool) -> tuple[dict[str, dict[str, Any]] | None, LaterCopies]:
@@ -63,10 +61,13 @@ def checkpoint_files_later(engine: Any, *, exclude_frozen: bool) -> tuple[dict[s
     those tensors themselves until :meth:`LaterCopies.finish` (after the engine is destroyed, off the Trainer
     call's path) copies them. Tensors elsewhere (an offloaded optimizer's, in host memory DeepSpeed may unpin
     as it is destroyed) are copied now. Purely local: no collective."""
-    later = LaterCopies()
+    later, copies = LaterCopies(), []
     device = getattr(engine, "device", None)
     on_device = device if isinstance(device, torch.device) else torch.device(device) if device is not None else None
-    files = _checkpoint_states(engine, exclude_frozen, lambda state: _containers_copied(state, later, on_device))
+    files = _checkpoint_states(
+        engine, exclude_frozen, lambda state: _to_host(state, copies, later=later, on_device=on_device)
+    )
+    _synchronize(copies)
     return files, later
 
 
@@ -148,31 +149,6 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(value)
 
 
-def _containers_copied(obj: Any, later: LaterCopies, on_device: torch.device | None) -> Any:
-    """``obj`` with its dicts, lists and tuples copied; tensors on ``on_device`` left in place and noted in
-    ``later``; the others (and any in a tuple, which cannot be filled in later) copied to host now."""
-    if isinstance(obj, dict):
-        copied: dict | list = obj.copy()  # keeps the mapping's class (OrderedDict, ...)
-        items = obj.items()
-    elif type(obj) is list:
-        copied, items = list(obj), enumerate(obj)
-    elif isinstance(obj, torch.Tensor) or type(obj) is tuple:
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        result = _to_host(obj, copies)
-        for device in {source.device for source, _ in copies if source.device.type == "cuda"}:
-            torch.cuda.synchronize(device)
-        return result
-    else:
-        return obj
-    for key, value in items:
-        if isinstance(value, torch.Tensor) and _same_device(value.device, on_device):
-            copied[key] = value.detach()
-            later.slots.append((copied, key))
-        else:
-            copied[key] = _containers_copied(value, later, on_device)
-    return copied
-
-
 def _same_device(device: torch.device, on_device: torch.device | None) -> bool:
     if on_device is None or device.type != on_device.type:
         return False
@@ -180,10 +156,16 @@ def _same_device(device: torch.device, on_device: torch.device | None) -> bool:
 
 
 def _to_host(
-    obj: Any, copies: list[tuple[torch.Tensor, torch.Tensor]], host_memory: HostMemory | None = None
+    obj: Any,
+    copies: list[tuple[torch.Tensor, torch.Tensor]],
+    host_memory: HostMemory | None = None,
+    *,
+    later: LaterCopies | None = None,
+    on_device: torch.device | None = None,
 ) -> Any:
     """``obj`` with every tensor in its dicts, lists and tuples replaced by a host copy of its own (a device
-    tensor into page-locked memory, asynchronously: synchronize before reading); other values are shared."""
+    tensor into page-locked memory, asynchronously: synchronize before reading); other values are shared.
+    With ``later``, a tensor on ``on_device`` held by a dict or a list stays (its slot noted in ``later``)."""
     if isinstance(obj, torch.Tensor):
         source = obj.detach()
         if source.device.type != "cuda":
@@ -195,11 +177,21 @@ def _to_host(
             copy.copy_(source, non_blocking=True)
         copies.append((source, copy))
         return copy
-    if isinstance(obj, dict):
+    if isinstance(obj, dict) or type(obj) is list:
         copied = obj.copy()  # keeps the mapping's class (OrderedDict, ...)
-        for key, value in obj.items():
-            copied[key] = _to_host(value, copies, host_memory)
+        for key, value in (obj.items() if isinstance(obj, dict) else enumerate(obj)):
+            if later is not None and isinstance(value, torch.Tensor) and _same_device(value.device, on_device):
+                copied[key] = value.detach()
+                later.slots.append((copied, key))
+            else:
+                copied[key] = _to_host(value, copies, host_memory, later=later, on_device=on_device)
         return copied
-    if type(obj) in (list, tuple):
-        return type(obj)(_to_host(value, copies, host_memory) for value in obj)
+    if type(obj) is tuple:  # immutable: its tensors are copied now, never left for later
+        return tuple(_to_host(value, copies, host_memory) for value in obj)
     return obj
+
+
+def _synchronize(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Wait for the asynchronous device-to-host copies in ``copies``."""
+    for device in {source.device for source, _ in copies if source.device.type == "cuda"}:
+        torch.cuda.synchronize(device)
