@@ -63,6 +63,7 @@ REFUSED = {
     "dtype disagrees with byte count": (blob({"a": entry("F32", [3], 0, 8)}, b"\0" * 8), "12 bytes"),
     "2**40 elements": (blob({"a": entry("F32", [2**40], 0, 8)}, b"\0" * 8), "bytes, but its data_offsets"),
     "shape overflows": (blob({"a": entry("F32", [2**40, 2**40], 0, 8)}, b"\0" * 8), "overflows 2**64"),
+    "a dimension over int64, beside a 0": (blob({"a": entry("F32", [0, 2**63 + 5], 0, 0)}), "torch's sizes"),
     "unknown dtype": (blob({"a": entry("F128", [2], 0, 8)}, b"\0" * 8), "dtype 'F128'"),
     "lower-case dtype": (blob({"a": entry("f32", [2], 0, 8)}, b"\0" * 8), "dtype 'f32'"),
     "negative shape": (blob({"a": entry("F32", [-1, -256], 0, 8)}, b"\0" * 8), "shape [-1, -256]"),
@@ -176,6 +177,7 @@ def test_written_headers_are_read_back_and_by_safetensors():
         ("a", "float32", [-1, -256], "shape [-1, -256]"),
         ("a", "float32", [True], "shape [True]"),
         ("a", "float32", [2**62, 4], "below 2**64"),
+        ("a", "float32", [0, 2**63], "below 2**63"),
     ],
 )
 def test_what_safetensors_cannot_store_is_refused_before_writing(name, dtype, shape, message):

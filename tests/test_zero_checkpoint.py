@@ -543,6 +543,7 @@ def test_a_tensor_safetensors_cannot_store_fails_consolidate_before_a_byte_is_wr
     [
         (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": [-1, -15]}), r"shape.*\[-1, -15\]"),
         (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": [2**40, 2**40]}), "elements"),
+        (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": [0, 2**63]}), "far more elements"),
         (lambda k, r, s: k == "model" and s["param_shapes"][0].update({"a.weight": "15"}), "not a list of sizes"),
         (lambda k, r, s: k == "model" and s["param_shapes"][0].update({7: s["param_shapes"][0].pop("a.bias")}), "7"),
         (lambda k, r, s: k == "model" and s.update(param_shapes=[["a.weight"]]), "not a dict"),
@@ -566,6 +567,7 @@ def test_a_tensor_safetensors_cannot_store_fails_consolidate_before_a_byte_is_wr
     ids=[
         "negative_shape",
         "shape_of_2_80_elements",
+        "a_size_over_int64_beside_a_0",
         "shape_a_string",
         "name_an_int",
         "param_shapes_of_lists",

@@ -38,6 +38,7 @@ __all__ = [
 
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE
 _USIZE = 2**64  # safetensors' shapes, offsets and sizes are u64 (usize); products are checked for overflow
+_TORCH_DIM = 2**63  # torch's sizes are int64: a larger dimension (possible with a 0 beside it) cannot be loaded
 
 # safetensors header dtype codes -> (torch dtype name as the manifest records it, bytes per element).
 _DTYPES = {
@@ -146,13 +147,13 @@ def check_tensor(name: Any, dtype: Any, shape: Any, *, where: str = "state_dict"
     if (
         not isinstance(shape, Sequence)
         or isinstance(shape, (str, bytes))
-        or not all(_is_index(d) for d in shape)
+        or not all(_is_dim(d) for d in shape)
         or _numel_or_none(shape) is None
         or _numel(shape) * _ITEMSIZE[dtype] >= _USIZE
     ):
         raise InvalidArgumentError(
             f"{where}[{shown(name)}] has shape {shown(shape)}; safetensors stores a list of non-negative "
-            "integers whose product, in bytes, is below 2**64"
+            "integers whose product, in bytes, is below 2**64 (and torch holds each below 2**63)"
         )
 
 
@@ -258,8 +259,10 @@ def _entry(name: str, entry: Any) -> TensorEntry:
     code, shape, offsets = (entry[field] for field in _FIELDS)
     if code not in _DTYPES:
         raise _Refused(f"tensor {shown(name)} has dtype {shown(code)}, not one of {sorted(_DTYPES)}")
-    if not isinstance(shape, list) or not all(_is_index(d) for d in shape):
-        raise _Refused(f"tensor {shown(name)} has shape {shown(shape)}, not a list of integers in [0, 2**64)")
+    if not isinstance(shape, list) or not all(_is_dim(d) for d in shape):
+        raise _Refused(
+            f"tensor {shown(name)} has shape {shown(shape)}, not a list of integers in [0, 2**63) (torch's sizes)"
+        )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_index(x) for x in offsets):
         raise _Refused(f"tensor {shown(name)} has data_offsets {shown(offsets)}, not two integers in [0, 2**64)")
     dtype = _DTYPES[code][0]
@@ -283,6 +286,10 @@ def _no_constant(text: str) -> Any:
 
 def _is_index(value: Any) -> bool:
     return type(value) is int and 0 <= value < _USIZE
+
+
+def _is_dim(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _TORCH_DIM
 
 
 def _is_utf8(text: str) -> bool:

@@ -194,7 +194,8 @@ class _Structure:
         return value
 
     def shape(self, value: Any, name: str) -> tuple[int, ...]:
-        """A shape of non-negative ints, whose element count stays below 2**62 (it is bounded by the file anyway)."""
+        """A shape of non-negative ints, whose element count, and each size (a 0 beside a huge size would hide it),
+        stays below 2**62: bounded by the file anyway, and torch's sizes are int64."""
         if not isinstance(value, (list, tuple)) or len(value) > 64:
             raise self.bad(f"the shape of {shown(name, 80)} is {shown(value, 80)}, not a list of sizes")
         n = 1
@@ -202,7 +203,7 @@ class _Structure:
             if type(d) is not int or d < 0:
                 raise self.bad(f"the shape of {shown(name, 80)} is {shown(value, 80)}: sizes are non-negative ints")
             n *= d
-            if n > 2**62:
+            if n > 2**62 or d > 2**62:
                 raise self.bad(f"the shape of {shown(name, 80)} is {shown(value, 80)}, far more elements than any file")
         return tuple(value)
 
