@@ -171,7 +171,8 @@ def safetensors_files(draw) -> bytes:
 
 
 def _stricter_reason(blob: bytes) -> str | None:
-    """Why the codec may refuse a file safetensors reads: a key given twice, an unknown field, a dtype torch lacks."""
+    """Why the codec may refuse a file safetensors reads: a key given twice, an unknown field, a dtype torch lacks,
+    a size torch cannot hold (2**63 or more: safetensors' loaders then fail in torch with a TypeError)."""
     length = int.from_bytes(blob[:8], "little")
     duplicated = []
 
@@ -188,6 +189,8 @@ def _stricter_reason(blob: bytes) -> str | None:
             continue
         if set(entry) != {"dtype", "shape", "data_offsets"} or entry["dtype"] in _OUTSIDE_OURS:
             return "field or dtype"
+        if any(isinstance(d, int) and d >= 2**63 for d in entry["shape"]):
+            return "size"
     return None
 
 
