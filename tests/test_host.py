@@ -5,17 +5,7 @@ from __future__ import annotations
 import torch
 
 from stagesafe.stages.history import KeptTraining, fingerprint
-from stagesafe.stages.host import _MIN_LOCK_BYTES, HostBuffers, HostPool, _lockable
-
-
-def test_only_large_tensors_that_own_their_whole_allocation_are_locked_once_each():
-    big = torch.empty(_MIN_LOCK_BYTES // 4, dtype=torch.float32)
-    small = torch.empty(1000)
-    flat = torch.empty(2 * _MIN_LOCK_BYTES // 4)
-    half = flat[: _MIN_LOCK_BYTES // 4]  # a view: locking it would lock part of someone else's memory
-    strided = torch.empty(_MIN_LOCK_BYTES // 4 * 2).reshape(-1, 2)[:, 0]
-    chosen = _lockable([big, small, half, strided, big.detach()])
-    assert [t.data_ptr() for t in chosen] == [big.data_ptr()]
+from stagesafe.stages.host import HostBuffers, HostPool
 
 
 def test_fresh_buffers_are_allocated_and_touched_in_the_background_on_a_cpu_run():
@@ -67,6 +57,21 @@ def test_making_host_memory_ready_waits_while_it_is_held_and_ready_never_waits_f
     go_on.set()
     assert buffers.ready().fresh["a"].shape == (1 << 20,)
     pool = HostPool([(torch.Size([1 << 20]), torch.float32)], lock_on=None)
-    with pool.held():
-        assert pool.ready().take(torch.Size([1 << 20]), torch.float32) is not None  # no deadlock inside the hold
+    pool.hold()
+    assert pool.ready().take(torch.Size([1 << 20]), torch.float32) is not None  # ready() ends the hold: no deadlock
     pool.close(None)
+
+
+def test_a_held_pool_waits_until_released_and_close_ends_a_hold_too():
+    pieces = [(torch.Size([1 << 20]), torch.float32)]
+    for end in ("release", "close"):
+        pool = HostPool([], lock_on=None)
+        pool.hold()
+        pool.add(pieces)  # asked for while held, as after the first optimizer step
+        (batch,) = pool._batches
+        batch._thread.join(0.3)
+        assert batch._thread.is_alive() and batch.fresh == {}  # nothing made ready while held
+        pool.release() if end == "release" else pool.close(None)
+        batch._thread.join(5)
+        assert not batch._thread.is_alive()
+        pool.close(None)

@@ -134,17 +134,17 @@ def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on
     assert not failing[0].pending and not failing[1].pending
 
 
-def test_device_work_comes_first_and_unlocking_waits_for_the_call_to_return(tmp_path):
+def test_device_work_comes_first_and_the_kept_copy_and_unlocking_wait_for_the_call_to_return(tmp_path):
     order: list[str] = []
     writer = _writers(1)[0]
     values = _values()
     writer.start(_request(str(tmp_path / "h"), values, fill=lambda: order.append("fill"),
-                          unlock=lambda: order.append("unlock")))
+                          keep=lambda: order.append("keep"), unlock=lambda: order.append("unlock")))
     time.sleep(0.3)
-    assert order == ["fill"]  # the call has not returned: page-locked memory stays locked
+    assert order == ["fill"]  # the call has not returned: the kept state's memory is held, page-locked stays locked
     writer.call_returned()
     writer.wait_device()
-    assert order == ["fill", "unlock"]
+    assert order == ["fill", "keep", "unlock"]
     writer.join()
     assert _bitwise(stagesafe.load_state_dict(str(tmp_path / "h")), values)
 

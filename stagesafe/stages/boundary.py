@@ -317,13 +317,35 @@ class StageBoundary:
         history = self._entered()
         failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
         clock("join_last_write")
-        with self._memory.kept_state_held():  # the weights' copies first
-            host = self._memory.weights_ready()
-            clock("host_memory_ready")
-            meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
-            sources = self._weight_sources(engine, history, trained=trained, gather=gather)
-            taken = self._take(sources, engine, history, host, weights_from, failure)
-            clock("consolidate")
+        self._memory.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
+        try:
+            keeps_meta, meta_specs = self._leave(engine, history, trained=trained, weights_from=weights_from,
+                                                 gather=gather, background=background, lr_schedulers=lr_schedulers,
+                                                 clock=clock, failure=failure)
+        except BaseException:
+            self._memory.release_kept_state_hold()  # no copy will come to end the hold
+            raise
+        if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
+            self._meta_values = _meta_tensors(meta_specs, history)
+        self.report.stale_problems = zero_engine.find_stale_state(self.module)
+        self.report.seconds = time.perf_counter() - start
+        self._entry.values = self._loaded = None
+        failure.raise_first()
+        return self.report
+
+    def _leave(
+        self, engine: Any | None, history: ModuleHistory, *, trained: bool, weights_from: Mapping[str, Any],
+        gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: _PhaseClock,
+        failure: _FirstFailure,
+    ) -> tuple[bool, dict[str, Any]]:
+        """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device, and the specs
+        it then gets."""
+        host = self._memory.weights_ready()
+        clock("host_memory_ready")
+        meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
+        sources = self._weight_sources(engine, history, trained=trained, gather=gather)
+        taken = self._take(sources, engine, history, host, weights_from, failure)
+        clock("consolidate")
         kept, later = self._keep_engine_state(engine, taken, history, lr_schedulers, clock, later=background)
         self._destroy(engine)
         clock("destroy")
@@ -336,13 +358,7 @@ class StageBoundary:
                              background=background and not keeps_meta, keep=copy_kept) and copy_kept is not None:
             copy_kept()  # no write took it to its device thread: now
         clock("publish")
-        if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
-            self._meta_values = _meta_tensors(meta_specs, history)
-        self.report.stale_problems = zero_engine.find_stale_state(self.module)
-        self.report.seconds = time.perf_counter() - start
-        self._entry.values = self._loaded = None
-        failure.raise_first()
-        return self.report
+        return keeps_meta, meta_specs
 
     def place_meta(self) -> None:
         """Meta mode, after Lightning's teardown (which moves the module with ``.cpu()``): the module's tensors

@@ -9,7 +9,6 @@ what one stage prepares, and plans once which names this rank writes.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -141,9 +140,15 @@ class EndMemory:
         self._stepped = True
         self._size(lambda: zero_engine.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen) or [])
 
-    def kept_state_held(self) -> contextlib.AbstractContextManager:
-        """While the block runs, the kept state's pool is not made ready (the weights' copies come first)."""
-        return self._kept_state.held() if self._kept_state is not None else contextlib.nullcontext()
+    def hold_kept_state(self) -> None:
+        """Making the kept state's pool ready waits from now until its copy makes it ready (or
+        :meth:`release_kept_state_hold`): the end's own copies and CUDA calls come first (:meth:`HostPool.hold`)."""
+        if self._kept_state is not None:
+            self._kept_state.hold()
+
+    def release_kept_state_hold(self) -> None:
+        if self._kept_state is not None:
+            self._kept_state.release()
 
     def kept_state_ready(self) -> None:
         if self._kept_state is not None:

@@ -10,23 +10,21 @@ handoff writer once the Trainer call has returned: the end of a stage then pays 
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import threading
 import weakref
-from typing import Any, Iterable, Iterator, Mapping
+from typing import Any, Iterable, Mapping
 
 import torch
 
 from stagesafe.handoff.workers import Workers
+from stagesafe.stages import page_lock
 
 __all__ = ["HostBuffers", "HostPool"]
 
 log = logging.getLogger(__name__)
 
-_MIN_LOCK_BYTES = 32 << 20  # smaller allocations may share pages with others; locking them gains little
 _TOUCH_CHUNK = 64 << 20
-_REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
 
 
 class HostBuffers:
@@ -35,8 +33,9 @@ class HostBuffers:
     ``existing`` once ready).
 
     ``lock_on``: the CUDA device whose copies will fill them, or ``None`` (a CPU run: nothing to lock).
-    Everything happens in a thread; :meth:`ready` joins it. Call :meth:`unlock` before the tensors are freed,
-    and before the same memory is locked again.
+    Everything happens in a thread; :meth:`ready` joins it. Locking is by whole pages
+    (:mod:`~stagesafe.stages.page_lock`), small tensors included; locked tensors are kept alive until
+    :meth:`unlock`, which must come before the same memory is locked again.
     """
 
     def __init__(
@@ -53,7 +52,7 @@ class HostBuffers:
         self._new = dict(new or {})
         self._device = lock_on
         self.fresh: dict[str, torch.Tensor] = {}
-        self._locked: dict[int, torch.Tensor] = {}
+        self._locked: list[page_lock.PageRun] = []
         self._lock = threading.Lock()
         self._thread = threading.Thread(
             target=self._prepare, args=(dict(fresh), lock_on), name="stagesafe-host-buffers", daemon=True
@@ -65,14 +64,21 @@ class HostBuffers:
         return self
 
     def unlock(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
-        """Unlock ``tensors`` (default: all that this object locked); they may be freed afterwards."""
+        """Unlock ``tensors`` (default: all that this object locked; a page run that holds one of them is
+        unlocked whole); they may be freed afterwards."""
         with self._lock:
-            ptrs = list(self._locked) if tensors is None else [t.data_ptr() for t in tensors]
-            if self._device is not None and any(ptr in self._locked for ptr in ptrs):
+            if tensors is None:
+                runs = self._locked
+            else:
+                ptrs = [t.data_ptr() for t in tensors]
+                runs = [run for run in self._locked if any(run.holds(ptr) for ptr in ptrs)]
+            if not runs:
+                return
+            if self._device is not None:
                 torch.cuda.set_device(self._device)  # perhaps in the writer's thread: use this rank's GPU
-            for ptr in ptrs:
-                if self._locked.pop(ptr, None) is not None:
-                    torch.cuda.cudart().cudaHostUnregister(ptr)
+            for run in list(runs):
+                page_lock.unlock(run)
+                self._locked.remove(run)
 
     def _prepare(self, fresh: dict[str, tuple[torch.Size, torch.dtype]], lock_on: torch.device | None) -> None:
         try:
@@ -85,17 +91,15 @@ class HostBuffers:
             self.existing.update(made)
             if lock_on is not None:
                 failed: dict[str, int] = {}
-                cudart = torch.cuda.cudart()
-                for tensor in _lockable([*self.existing.values(), *allocated.values()]):  # made ones included
+                for run in page_lock.page_runs([*self.existing.values(), *allocated.values()]):  # made ones too
                     if self._go_on is not None:
                         self._go_on.wait()
                     with self._lock:
-                        error = cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, _REGISTER_FLAGS)
-                        if int(error) != 0:  # a cudaError enum: truthy whatever its value
-                            reason = cudart.cudaGetErrorString(error)
-                            failed[reason] = failed.get(reason, 0) + 1
-                        else:
-                            self._locked[tensor.data_ptr()] = tensor
+                        reason = page_lock.lock(run)
+                        if reason is None:
+                            self._locked.append(run)
+                        elif reason != page_lock.LOCKED_ELSEWHERE:  # another's pages: the copies are still right
+                            failed[reason] = failed.get(reason, 0) + len(run.tensors)
                 if failed:
                     log.warning(
                         "stagesafe: could not page-lock %d host tensor(s) (%s); their copies will be slower",
@@ -137,19 +141,20 @@ class HostPool:
         fresh = {str(i): (torch.Size(shape), dtype) for i, (shape, dtype) in enumerate(missing)}
         self._batches.append(HostBuffers({}, fresh, lock_on=self._lock_on, go_on=self._go_on))
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Making the pool ready waits (between pieces) while the block runs: a stage's end copies its weights
-        off the device meanwhile, which making 17 GB ready beside them slowed from 0.20 to 1.33 s on an H200 host."""
+    def hold(self) -> None:
+        """Making the pool ready waits (between pieces) from now until :meth:`release`, :meth:`ready` or
+        :meth:`close`: a stage's end copies its weights off the device meanwhile, which making 17 GB ready beside
+        them slowed from 0.20 to 1.33 s on an H200 host, and page-locking holds the CUDA driver's lock, which the
+        rest of the call's CUDA calls would wait for."""
         self._go_on.clear()
-        try:
-            yield
-        finally:
-            self._go_on.set()
+
+    def release(self) -> None:
+        """Let making the pool ready go on after :meth:`hold`."""
+        self._go_on.set()
 
     def ready(self) -> "HostPool":
         """Wait until the tensors are made ready (or making them failed: then the copies allocate their own)."""
-        self._go_on.set()  # never wait for work that is held
+        self.release()  # never wait for work that is held
         for batch in self._batches:
             batch.ready()
         return self
@@ -193,27 +198,6 @@ class HostPool:
 def _unlock(batches: list[HostBuffers], tensors: list[torch.Tensor]) -> None:
     for batch in batches:  # each unlocks those it locked
         batch.unlock(tensors)
-
-
-def _lockable(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Large CPU tensors that own their whole allocation, once each; never memory that is already pinned."""
-    seen: set[int] = set()
-    chosen = []
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if (
-            tensor.device.type != "cpu"
-            or tensor.is_pinned()
-            or not tensor.is_contiguous()
-            or tensor.storage_offset() != 0
-            or storage.nbytes() != tensor.nbytes
-            or tensor.nbytes < _MIN_LOCK_BYTES
-            or tensor.data_ptr() in seen
-        ):
-            continue
-        seen.add(tensor.data_ptr())
-        chosen.append(tensor)
-    return chosen
 
 
 def _touch(tensors: list[torch.Tensor], go_on: threading.Event | None = None) -> None:

@@ -197,7 +197,7 @@ class HandoffWriter:
 
     def _copy(self, write: _Write) -> None:
         """The device thread: the private copies off the device (resolves ``copied``), then, once the call has
-        returned, unlocking host memory."""
+        returned, the kept optimizer state's copy (``keep``) and unlocking host memory."""
         request = write.request
         try:
             start = time.perf_counter()
@@ -209,6 +209,7 @@ class HandoffWriter:
         else:
             write.copied.set_result(None)
         if request.keep is not None:  # the optimizer state kept beyond the engine, off the device: not the write's
+            write.returned.wait()  # its host memory is made ready from then on, which would stall the call's CUDA calls
             start = time.perf_counter()
             try:
                 request.keep()
