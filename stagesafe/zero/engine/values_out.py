@@ -89,7 +89,7 @@ class GatheredValues(Mapping):
         copy = self._also_into.get(name)
         if copy is not None and _fits(copy, master):
             self.copied[name] = copy
-            self._kept[name] = master  # a buffer of its own: nothing else writes to it
+            self._kept[name] = master  # nothing writes to it now: the engine has stepped for the last time
         return dest
 
     def gather_masters(self, names: Iterable[str]) -> None:
@@ -114,14 +114,15 @@ class GatheredValues(Mapping):
 
         world = dist.get_world_size(group=bucket.group)
         local = bucket.flat.detach().narrow(0, bucket.start, bucket.length)
-        gathered = torch.empty(world * bucket.length, dtype=local.dtype, device=local.device)
-        dist.all_gather_into_tensor(gathered, local, group=bucket.group)
-        rows = gathered.view(world, bucket.length)
+        if world == 1:  # the partition is the whole: each master a view of it, no gather, no copy on the device
+            rows = local.view(1, bucket.length)
+        else:
+            gathered = torch.empty(world * bucket.length, dtype=local.dtype, device=local.device)
+            dist.all_gather_into_tensor(gathered, local, group=bucket.group)
+            rows = gathered.view(world, bucket.length)
         for name, param, offset, count in bucket.members:
             pieces = rows[:, offset - bucket.start : offset - bucket.start + count].reshape(-1)
             master = pieces[: param.ds_numel].reshape(param.ds_shape)
-            if world == 1:  # a view of the bucket, which goes: a tensor of its own
-                master = master.clone()
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(master.device))
             placed = self._place(name, master, stream)
