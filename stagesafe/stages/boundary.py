@@ -346,6 +346,8 @@ class StageBoundary:
         sources = self._weight_sources(engine, history, trained=trained, gather=gather)
         taken = self._take(sources, engine, history, host, weights_from, failure)
         clock("consolidate")
+        if taken.gathered is not None:  # of which: waiting for the device's copies (the rest is the host's)
+            self.report.phases["consolidate_device_wait"] = taken.gathered.waited
         kept, later = self._keep_engine_state(engine, taken, history, lr_schedulers, clock, later=background)
         self._destroy(engine)
         clock("destroy")

@@ -5,6 +5,7 @@ collective, copied into host memory made ready for them."""
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -56,6 +57,7 @@ class GatheredValues(Mapping):
         self.copied: dict[str, torch.Tensor] = {}  # the ``also_into`` tensors, once fill_copies() has run
         self._kept: dict[str, torch.Tensor] = {}  # gathered masters waiting to be copied into ``also_into``
         self._ready: dict[str, tuple[torch.Tensor, bool]] = {}  # gathered masters, by name: (tensor, in `into`)
+        self.waited = 0.0  # seconds synchronize() waited for the device: what of the end the copies' speed bounds
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name in self._buffers:
@@ -130,9 +132,11 @@ class GatheredValues(Mapping):
 
     def synchronize(self) -> None:
         """Wait for the copies into ``into`` (asynchronous into page-locked memory) and the gathers."""
+        start = time.perf_counter()
         for device in self._devices:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+        self.waited += time.perf_counter() - start
 
     def fill_copies(self) -> None:
         """Copy the kept masters into their ``also_into`` tensors and let the masters go: in a background writer,
