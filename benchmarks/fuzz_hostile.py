@@ -2,6 +2,7 @@
 
 Reproduce:  nice python benchmarks/fuzz_hostile.py 900            # 15 minutes, shared among the 4 targets
             python benchmarks/fuzz_hostile.py 60 --target handoff  # one target
+            python benchmarks/fuzz_hostile.py 60 --seed 7          # the same cases as a run that printed seed 7
 
 The targets and their properties are those of ``tests/_fuzz.py`` (the test suite runs a few derandomized
 examples of each; this runs random ones for as long as it is given). Each target runs in a process of its own,
@@ -28,8 +29,9 @@ TARGETS = ("header", "handoff", "rank_files", "pickles")
 BATCH = 100  # examples per hypothesis run; each run draws a new seed
 
 
-def child(target: str, seconds: float, case_log: str) -> int:
-    """Run batches of ``target`` until ``seconds`` have passed; print one ``COUNTS {...}`` line per batch."""
+def child(target: str, seconds: float, case_log: str, seed: int | None = None) -> int:
+    """Run batches of ``target`` until ``seconds`` have passed; print one ``COUNTS {...}`` line per batch.
+    ``seed``: the first batch's (then one more per batch); by default a random one."""
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
     logging.getLogger("stagesafe").setLevel(logging.ERROR)  # interrupted-save notices, by design, are expected
     import _fuzz
@@ -42,7 +44,8 @@ def child(target: str, seconds: float, case_log: str) -> int:
             f.write(case)
 
     deadline = time.monotonic() + seconds
-    seed = int.from_bytes(os.urandom(4), "little")
+    seed = int.from_bytes(os.urandom(4), "little") if seed is None else seed
+    print(f"SEED {seed}", flush=True)
     while time.monotonic() < deadline:
         counts = _fuzz.run(target, examples=BATCH, derandomize=False, seed=seed, log=log)
         print("COUNTS " + json.dumps(counts), flush=True)
@@ -54,11 +57,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("seconds", type=float, help="time budget for the whole run, shared among the targets")
     parser.add_argument("--target", action="append", choices=TARGETS, help="run only these (repeatable)")
+    parser.add_argument("--seed", type=int, help="the first batch's seed, for a run that repeats (default: random)")
     parser.add_argument("--child", choices=TARGETS, help=argparse.SUPPRESS)
     parser.add_argument("--case-log", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return child(args.child, args.seconds, args.case_log)
+        return child(args.child, args.seconds, args.case_log, args.seed)
 
     targets = args.target or list(TARGETS)
     share = args.seconds / len(targets)
@@ -69,7 +73,8 @@ def main() -> int:
         case_log = os.path.join(tempfile.mkdtemp(prefix="stagesafe-fuzz-"), "case.txt")
         started = time.monotonic()
         proc = subprocess.run(
-            [sys.executable, os.path.abspath(__file__), str(share), "--child", target, "--case-log", case_log],
+            [sys.executable, os.path.abspath(__file__), str(share), "--child", target, "--case-log", case_log,
+             *(["--seed", str(args.seed)] if args.seed is not None else [])],
             env=env,
             capture_output=True,
             text=True,
@@ -80,6 +85,8 @@ def main() -> int:
         for line in proc.stdout.splitlines():
             if line.startswith("STAGESAFE ") and target == targets[0]:
                 print(f"stagesafe from {line.split(' ', 1)[1]}", flush=True)
+            if line.startswith("SEED "):
+                print(f"{target}: first seed {line.split(' ', 1)[1]} (--seed repeats the run)", flush=True)
             if line.startswith("COUNTS "):
                 for outcome, n in json.loads(line[len("COUNTS ") :]).items():
                     totals[outcome] = totals.get(outcome, 0) + n
