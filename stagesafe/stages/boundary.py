@@ -319,9 +319,9 @@ class StageBoundary:
         clock("join_last_write")
         self._memory.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
         try:
-            keeps_meta, meta_specs = self._leave(engine, history, trained=trained, weights_from=weights_from,
-                                                 gather=gather, background=background, lr_schedulers=lr_schedulers,
-                                                 clock=clock, failure=failure)
+            meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
+            keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
+                                     background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure)
         except BaseException:
             self._memory.release_kept_state_hold()  # no copy will come to end the hold
             raise
@@ -337,12 +337,10 @@ class StageBoundary:
         self, engine: Any | None, history: ModuleHistory, *, trained: bool, weights_from: Mapping[str, Any],
         gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: _PhaseClock,
         failure: _FirstFailure,
-    ) -> tuple[bool, dict[str, Any]]:
-        """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device, and the specs
-        it then gets."""
+    ) -> bool:
+        """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device."""
         host = self._memory.weights_ready()
         clock("host_memory_ready")
-        meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
         sources = self._weight_sources(engine, history, trained=trained, gather=gather)
         taken = self._take(sources, engine, history, host, weights_from, failure)
         clock("consolidate")
@@ -360,7 +358,7 @@ class StageBoundary:
                              background=background and not keeps_meta, keep=copy_kept) and copy_kept is not None:
             copy_kept()  # no write took it to its device thread: now
         clock("publish")
-        return keeps_meta, meta_specs
+        return keeps_meta
 
     def place_meta(self) -> None:
         """Meta mode, after Lightning's teardown (which moves the module with ``.cpu()``): the module's tensors

@@ -147,6 +147,7 @@ class EndMemory:
             self._kept_state.hold()
 
     def release_kept_state_hold(self) -> None:
+        """End :meth:`hold_kept_state` where no copy will (the end failed before handing it over)."""
         if self._kept_state is not None:
             self._kept_state.release()
 
