@@ -224,6 +224,14 @@ class Timeline:
         setattr(owner, attr, timed)
 
 
+def end_distributed_job() -> None:
+    """End the job's process group, as torch asks a distributed program to: without it, gloo's threads may be
+    torn down while the interpreter finalizes, and the process aborts ("terminate called without an active
+    exception", seen in CI after all of a job's work was done). Every background write is joined by then."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]:
     """Seconds to copy ``nbytes`` to host memory (pinned, on GPUs), and the bandwidth in GB/s."""
     if accelerator == "gpu":
@@ -441,3 +449,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_distributed_job()

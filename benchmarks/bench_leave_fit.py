@@ -43,7 +43,7 @@ from torch.utils.data import DataLoader, TensorDataset
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stagesafe  # noqa: E402
-from bench_boundary import device_to_host_seconds, disk_write_seconds  # noqa: E402
+from bench_boundary import device_to_host_seconds, disk_write_seconds, end_distributed_job  # noqa: E402
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 
@@ -245,3 +245,4 @@ def _kept_bytes(module: nn.Module) -> int:
 
 if __name__ == "__main__":
     main()
+    end_distributed_job()

@@ -74,10 +74,10 @@ def job(args: argparse.Namespace) -> None:
     with open(os.path.join(args.out, f"rss.rank{dist.get_rank()}.json"), "w") as f:
         json.dump({"peak_mb": peak, "after_mb": after}, f)
     strategy.wait_for_handoff()
-    # torch asks for this before a distributed program ends: without it, gloo's threads may still be torn down
-    # while the interpreter finalizes, and the process aborts ("terminate called without an active exception",
-    # seen once in CI after all the work was done)
-    dist.destroy_process_group()
+    sys.path.insert(0, os.path.dirname(HERE))
+    from bench_boundary import end_distributed_job
+
+    end_distributed_job()
 
 
 def main() -> None:
