@@ -1,7 +1,9 @@
-"""The host memory a stage's end copies into, chosen while the stage runs: on the CPU (nothing to page-lock)."""
+"""The host memory a stage's end copies into, chosen while the stage runs: on the CPU (nothing to page-lock), and
+on a GPU, where what cannot be page-locked in place gets memory of its own."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -73,3 +75,22 @@ def test_a_fit_that_keeps_no_optimizer_state_says_why_without_asking_the_engine(
     assert memory.keep_engine_state(engine=None) == (
         None, "StageSafeDeepSpeedStrategy(keep_optimizer_state=False) keeps none between Trainer calls"
     )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_a_tensor_that_cannot_be_locked_in_place_gets_host_memory_of_its_own_and_all_is_locked():
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(4096, 2048, bias=False))  # 32 MiB: mapped on its own
+    tensors = state_tensors(module)
+    memory = _memory(device=torch.device("cuda", torch.cuda.current_device()))
+    memory.prepare_weights(module, tensors, original=_original(module), built=set())
+    weights = memory.weights_ready()
+    try:
+        existing = weights.existing
+        assert existing["1.weight"].data_ptr() == tensors["1.weight"].data_ptr()  # in place
+        for name in ("0.weight", "0.bias"):  # on the C heap: replaced by tensors of their own pages
+            assert existing[name].data_ptr() != tensors[name].data_ptr() and existing[name].shape == tensors[name].shape
+        assert all(t.is_pinned() for t in [*existing.values(), *weights.fresh.values()])
+        assert all(torch.equal(t.to("cuda").cpu(), t) for t in tensors.values())  # the module's own still copy
+    finally:
+        weights.unlock()

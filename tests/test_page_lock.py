@@ -1,67 +1,98 @@
-"""Page-locking host tensors by whole pages (stagesafe/stages/page_lock.py): which pages form a run, that no
-page is locked twice, and, on a GPU, that small tensors sharing pages copy from the device as pinned memory."""
+"""Page-locking host tensors in place (stagesafe/stages/page_lock.py): only storages whose pages hold nothing
+else are ever locked, each once per process; on a GPU, locked tensors copy as pinned memory and every other host
+tensor, its neighbours on the C heap included, still copies (CUDA refuses a copy whose bytes are partly locked)."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
 
 from stagesafe.stages import page_lock
-from stagesafe.stages.page_lock import PAGE, page_runs
+from stagesafe.stages.page_lock import MAPPED_ON_ITS_OWN, PAGE, empty, lockable, page_runs
+
+gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-def _pages_of(tensor: torch.Tensor) -> set[int]:
-    first, last = tensor.data_ptr() // PAGE, (tensor.data_ptr() + tensor.nbytes - 1) // PAGE
-    return set(range(first, last + 1))
+def test_empty_gives_a_tensor_in_pages_of_its_own_whatever_its_size():
+    tensor = empty((3, 5), torch.float32)
+    storage = tensor.untyped_storage()
+    assert tensor.shape == (3, 5) and tensor.dtype == torch.float32 and storage.nbytes() == 60
+    assert tensor.data_ptr() % PAGE == 0 and lockable(tensor)
+    (run,) = page_runs([tensor, tensor[1:], tensor.detach()])  # views of one storage: one run
+    assert (run.start, run.end, len(run.tensors)) == (tensor.data_ptr(), tensor.data_ptr() + PAGE, 3)
+    tensor.fill_(2.0)
+    assert tensor.sum().item() == 30.0
+    assert empty((0, 4), torch.bfloat16).shape == (0, 4)
 
 
-def test_tensors_sharing_pages_make_one_run_and_every_page_of_a_run_holds_their_bytes():
-    flat = torch.zeros(12 * PAGE // 4)
-    a, b = flat[: PAGE // 4 + 3], flat[PAGE // 4 + 10 : 3 * PAGE // 4]  # b starts on a's last page
-    apart = flat[8 * PAGE // 4 : 9 * PAGE // 4 + 1]  # pages of its own, with a page between
-    runs = page_runs([b, a, apart, a.detach()])  # a twice: once
-    assert sorted(len(r.tensors) for r in runs) == [1, 2]
-    for run in runs:
-        assert run.start % PAGE == 0 and run.end % PAGE == 0
-        pages = set(range(run.start // PAGE, run.end // PAGE))
-        assert pages == set().union(*(_pages_of(t) for t in run.tensors))  # no page without one of its bytes
-    (shared,) = [r for r in runs if len(r.tensors) == 2]
-    assert shared.holds(a.data_ptr()) and shared.holds(b.data_ptr()) and not shared.holds(apart.data_ptr())
+def test_memory_from_empty_is_forgotten_once_its_tensors_are_gone():
+    tensor = empty((1000,), torch.int64)
+    start = tensor.data_ptr()
+    view = tensor[10:]
+    del tensor
+    gc.collect()
+    assert start in page_lock._own  # a view keeps the mapping
+    del view
+    gc.collect()
+    assert start not in page_lock._own
 
 
-def test_only_memory_a_copy_can_use_is_planned():
-    strided = torch.zeros(8, 2)[:, 0]
-    assert page_runs([strided, torch.empty(0), torch.zeros(3, device="meta")]) == []
+def test_small_tensors_of_the_c_heap_are_never_locked_for_their_pages_hold_other_allocations():
+    neighbours = [torch.zeros(n) for n in (1000, 5000, 3, 4 << 20)]  # 16 MB too: it may come from the heap
+    assert not any(lockable(t) for t in neighbours) and page_runs(neighbours) == []
 
 
-def test_a_run_overlapping_one_locked_elsewhere_is_left_out_before_cuda_is_asked():
-    tensor = torch.zeros(3 * PAGE // 4)
-    (run,) = page_runs([tensor])
-    page_lock._locked[run.start + PAGE] = run.start + 2 * PAGE  # as if another buffer had locked a page of it
+def test_a_storage_the_c_allocator_maps_on_its_own_is_locked_whole_unless_the_environment_moves_that_line(
+    monkeypatch,
+):
+    large = torch.empty(MAPPED_ON_ITS_OWN // 4)
+    view = large[PAGE:]
+    (run,) = page_runs([view])
+    storage = large.untyped_storage()
+    assert run.start == storage.data_ptr() - storage.data_ptr() % PAGE and run.end >= storage.data_ptr() + storage.nbytes()
+    assert run.end - run.start < storage.nbytes() + 2 * PAGE  # its own pages, no more
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2 * MAPPED_ON_ITS_OWN))
+    assert not lockable(large) and lockable(empty((4,), torch.float32))
+
+
+def test_nothing_a_copy_cannot_use_is_planned():
+    assert page_runs([torch.empty(0), torch.zeros(3, device="meta")]) == []
+
+
+def test_a_storage_locked_elsewhere_is_left_out_before_cuda_is_asked():
+    (run,) = page_runs([empty((3 * PAGE // 4,), torch.float32)])
+    page_lock._locked[run.start] = run.end  # as if another buffer had locked it
     try:
         assert page_lock.lock(run) == page_lock.LOCKED_ELSEWHERE
     finally:
-        del page_lock._locked[run.start + PAGE]
+        del page_lock._locked[run.start]
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_small_tensors_sharing_pages_are_locked_once_copied_into_and_unlocked():
-    host = [torch.zeros(n) for n in (1000, 5000, 3, 4 << 20)]  # small ones from the C heap, one of 16 MB
-    runs = page_runs(host)
+@gpu
+def test_locked_tensors_copy_as_pinned_memory_and_their_heap_neighbours_still_copy():
+    heap = [torch.randn(n) for n in (1000, 5000, 3, 257, 4 << 20)]  # interleaved with ours on the C heap
+    ours = [empty((n,), torch.float32) for n in (1000, 3, 4 << 20)]
+    heap += [torch.randn(n) for n in (999, 17)]
+    runs = page_runs([*heap, *ours])
+    assert len(runs) == len(ours)
     assert all(page_lock.lock(run) is None for run in runs)
     try:
-        assert all(t.is_pinned() for t in host)  # CUDA sees each as page-locked memory
+        assert all(t.is_pinned() for t in ours) and not any(t.is_pinned() for t in heap)
+        for tensor in heap:  # CUDA fails a copy of bytes partly locked: none of these may be
+            assert torch.equal(tensor.to("cuda").cpu(), tensor)
         stream = torch.cuda.Stream()
-        sources = [torch.randn(t.shape, device="cuda") for t in host]
+        sources = [torch.randn(t.shape, device="cuda") for t in ours]
         with torch.cuda.stream(stream):
             stream.wait_stream(torch.cuda.current_stream())
-            for dest, src in zip(host, sources):
+            for dest, src in zip(ours, sources):
                 dest.copy_(src, non_blocking=True)
         stream.synchronize()
-        assert all(torch.equal(dest, src.cpu()) for dest, src in zip(host, sources))
+        assert all(torch.equal(dest, src.cpu()) for dest, src in zip(ours, sources))
         assert all(page_lock.lock(run) == page_lock.LOCKED_ELSEWHERE for run in runs)  # never twice
     finally:
         for run in runs:
             page_lock.unlock(run)
-    assert not any(t.is_pinned() for t in host) and not page_lock._locked
+    assert not any(t.is_pinned() for t in ours) and not page_lock._locked

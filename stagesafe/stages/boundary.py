@@ -20,7 +20,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +30,7 @@ from stagesafe.handoff.read import HandoffReader, check_present
 from stagesafe.stages import collectives
 from stagesafe.stages.end_memory import EndMemory
 from stagesafe.stages.engine_weights import take_from_engine
+from stagesafe.stages.exit_steps import FirstFailure, PhaseClock
 from stagesafe.stages.history import (
     HandoffTarget,
     KeptTraining,
@@ -49,8 +50,6 @@ from stagesafe.zero import engine as zero_engine
 __all__ = ["BoundaryReport", "StageBoundary", "StageOptions", "assert_clean"]
 
 log = logging.getLogger(__name__)
-
-T = TypeVar("T")
 
 # Sources of weights that come from this stage: the handoff's metadata names it.
 _FROM_THIS_STAGE = (WeightSource.STREAMED, WeightSource.MASTERS, WeightSource.CHECKPOINT)
@@ -313,7 +312,7 @@ class StageBoundary:
         ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
         ``lr_schedulers``: the trainer's lr scheduler states, kept beside the optimizer's.
         """
-        start, clock, failure = time.perf_counter(), _PhaseClock(self.report.phases), _FirstFailure()
+        start, clock, failure = time.perf_counter(), PhaseClock(self.report.phases), FirstFailure()
         history = self._entered()
         failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
         clock("join_last_write")
@@ -335,8 +334,8 @@ class StageBoundary:
 
     def _leave(
         self, engine: Any | None, history: ModuleHistory, *, trained: bool, weights_from: Mapping[str, Any],
-        gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: _PhaseClock,
-        failure: _FirstFailure,
+        gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: PhaseClock,
+        failure: FirstFailure,
     ) -> bool:
         """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device."""
         host = self._memory.weights_ready()
@@ -404,7 +403,7 @@ class StageBoundary:
         history: ModuleHistory,
         host: HostBuffers | None,
         weights_from: Mapping[str, Any],
-        failure: _FirstFailure,
+        failure: FirstFailure,
     ) -> _Taken:
         """The weights from the first of ``sources`` that gives them: a failure is noted and the next source
         is tried; the last cannot fail. Weights that come from this stage name it in the handoff's metadata."""
@@ -449,7 +448,7 @@ class StageBoundary:
 
     def _keep_engine_state(
         self, engine: Any, taken: _Taken, history: ModuleHistory, lr_schedulers: Sequence[Mapping[str, Any]],
-        clock: _PhaseClock, *, later: bool,
+        clock: PhaseClock, *, later: bool,
     ) -> tuple[KeptTraining | None, zero_engine.LaterCopies | None]:
         """What the engine held beyond the module, where it trained the weights: the fp32 masters of 16-bit
         parameters and this rank's files of DeepSpeed's checkpoint (fingerprinted once the module has them).
@@ -509,7 +508,7 @@ class StageBoundary:
         handoff: Mapping[str, torch.Tensor] | None,
         restored: Mapping[str, torch.Tensor],
         host: HostBuffers | None,
-        failure: _FirstFailure,
+        failure: FirstFailure,
         *,
         gather: bool,
         background: bool,
@@ -588,39 +587,3 @@ def _join_elsewhere(history: ModuleHistory | None, writer: HandoffWriter) -> Non
     other = history.writer if history is not None else None
     if other is not None and other is not writer and other.pending:
         other.join()
-
-
-class _FirstFailure:
-    """The first failure among an exit's steps, raised once the module is plain again.
-
-    It catches ``BaseException``: a Ctrl+C (``KeyboardInterrupt``) in the middle of a step must still leave the
-    engine destroyed and the module holding plain tensors before it is re-raised, as any other failure does.
-    """
-
-    def __init__(self) -> None:
-        self.error: BaseException | None = None
-
-    def attempt(self, step: Callable[[], T]) -> T | None:
-        """``step()``'s result, or None once its failure is noted."""
-        try:
-            return step()
-        except BaseException as exc:  # noqa: BLE001 - a cleanup runs before a Ctrl+C is re-raised (see above)
-            self.error = self.error or exc
-            return None
-
-    def raise_first(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
-class _PhaseClock:
-    """Records the seconds since the previous mark under each phase name."""
-
-    def __init__(self, into: dict[str, float]) -> None:
-        self.into = into
-        self.last = time.perf_counter()
-
-    def __call__(self, phase: str) -> None:
-        now = time.perf_counter()
-        self.into[phase] = now - self.last
-        self.last = now

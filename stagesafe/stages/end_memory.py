@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from stagesafe.stages import collectives
+from stagesafe.stages import collectives, page_lock
 from stagesafe.stages.history import KeptTraining, ModuleHistory
 from stagesafe.stages.host import HostBuffers, HostPool
 from stagesafe.stages.shared_write import names_written_by
@@ -88,7 +88,8 @@ class EndMemory:
     ) -> None:
         """Start making host memory ready for a training stage's weights: the module's own fp32 CPU tensors
         (which the boundary keeps alive anyway) take the masters in place, new ones are made for parameters
-        zero.Init ``built`` (whose module tensors are empty placeholders), and this rank gets private buffers
+        zero.Init ``built`` (whose module tensors are empty placeholders) and, on a GPU, for those that cannot be
+        page-locked in place (:func:`~stagesafe.stages.page_lock.lockable`), and this rank gets private buffers
         for the shards it writes in the background, which later changes to the module cannot reach."""
         specs, aliases = end_specs(module, tensors, original=original, built=built)
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}  # tied: first name only
@@ -96,7 +97,11 @@ class EndMemory:
         sixteen = {n for n in trainable if original[n][0] in _SIXTEEN_BITS}
         into = {n: tensors[n] for n in fp32 - built if tensors[n].device.type == "cpu"
                 and tensors[n].dtype == torch.float32}
-        new = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in (fp32 & built) | sixteen}
+        # a tensor whose pages hold other allocations too cannot be page-locked: one with pages of its own,
+        # made here, replaces it (at most the module's tensors under 32 MiB are held twice during the stage)
+        apart = {n for n, t in into.items() if not page_lock.lockable(t)} if self._lock_on is not None else set()
+        into = {n: t for n, t in into.items() if n not in apart}
+        new = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in (fp32 & built) | sixteen | apart}
         if not into and not new:
             return
         written_here = self.plan_writes(specs, aliases)

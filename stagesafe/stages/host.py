@@ -33,9 +33,10 @@ class HostBuffers:
     ``existing`` once ready).
 
     ``lock_on``: the CUDA device whose copies will fill them, or ``None`` (a CPU run: nothing to lock).
-    Everything happens in a thread; :meth:`ready` joins it. Locking is by whole pages
-    (:mod:`~stagesafe.stages.page_lock`), small tensors included; locked tensors are kept alive until
-    :meth:`unlock`, which must come before the same memory is locked again.
+    Everything happens in a thread; :meth:`ready` joins it. Tensors allocated here have pages of their own and
+    are all locked; an existing one is locked only where its pages hold nothing else
+    (:mod:`~stagesafe.stages.page_lock`). Locked tensors are kept alive until :meth:`unlock`, which must come
+    before the same memory is locked again.
     """
 
     def __init__(
@@ -84,8 +85,8 @@ class HostBuffers:
         try:
             if lock_on is not None:
                 torch.cuda.set_device(lock_on)  # before any CUDA call: no context on another rank's GPU
-            allocated = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in fresh.items()}
-            made = {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in self._new.items()}
+            allocated = {name: page_lock.empty(shape, dtype) for name, (shape, dtype) in fresh.items()}
+            made = {name: page_lock.empty(shape, dtype) for name, (shape, dtype) in self._new.items()}
             _touch([*allocated.values(), *made.values()], self._go_on)
             self.fresh = allocated
             self.existing.update(made)
@@ -98,7 +99,7 @@ class HostBuffers:
                         reason = page_lock.lock(run)
                         if reason is None:
                             self._locked.append(run)
-                        elif reason != page_lock.LOCKED_ELSEWHERE:  # another's pages: the copies are still right
+                        elif reason != page_lock.LOCKED_ELSEWHERE:  # locked whole by another: copies are right
                             failed[reason] = failed.get(reason, 0) + len(run.tensors)
                 if failed:
                     log.warning(

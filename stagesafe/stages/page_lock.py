@@ -1,37 +1,47 @@
-"""Page-locking host tensors in place, by whole pages, each page once per process.
+"""Page-locking host tensors in place, only where every byte of the locked pages belongs to them.
 
 CUDA copies into page-locked memory at the bus's speed and into pageable memory at a fifth of it (H200 host:
-54 against 10 GB/s). ``cudaHostRegister`` locks whole pages, and refuses a page this process has locked
-already. A tensor under 32 MB may come from the C heap and share its first and last page with other
-allocations, so tensors are locked by *runs*: each tensor's bytes rounded out to whole pages, overlapping or
-touching ranges merged, each run registered once. Every page of a run holds bytes of a tensor the run keeps
-alive, so no allocator returns it to the system while it is locked; other bytes on those pages are only
-pinned, never written. A run that overlaps one locked elsewhere in the process is left out (its tensors copy
-from pageable memory) rather than refused by CUDA.
+54 against 10 GB/s). ``cudaHostRegister`` locks whole pages, and CUDA refuses a copy whose host bytes are partly
+locked and partly not ("invalid argument", ``cudaErrorInvalidValue``). So a page that also holds bytes of
+another allocation must never be locked: that allocation's copies to or from any GPU would fail, whoever makes
+them. A tensor is locked by its storage's pages, and only when those pages are the storage's own:
+
+- storages allocated here (:func:`empty`): an anonymous mapping of their own, whatever their size;
+- storages of at least 32 MiB, which the C allocator maps on their own (glibc's largest mmap threshold), unless
+  the process's environment tells glibc otherwise.
+
+Smaller storages of the C heap stay pageable. Each storage is locked once per process (a registry): a storage
+locked elsewhere is wholly locked already, so its copies are right.
 """
 
 from __future__ import annotations
 
+import math
 import mmap
+import os
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterable
 
 import torch
 
-__all__ = ["LOCKED_ELSEWHERE", "PageRun", "lock", "page_runs", "unlock"]
+__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "page_runs", "unlock"]
 
 PAGE = mmap.PAGESIZE
-LOCKED_ELSEWHERE = "already page-locked in part by this process"
+LOCKED_ELSEWHERE = "already page-locked by this process"
+MAPPED_ON_ITS_OWN = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: no larger block comes from the heap
 _REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
 
 _registry_lock = threading.Lock()
 _locked: dict[int, int] = {}  # start -> end of every run this process has locked
+_own: dict[int, int] = {}  # start -> end of every live mapping made by empty()
 
 
 @dataclass
 class PageRun:
-    """Consecutive whole pages ``[start, end)`` that hold the bytes of ``tensors`` (kept alive while locked)."""
+    """The whole pages ``[start, end)`` of one storage, which hold nothing else; ``tensors`` (views of it) are
+    kept alive while it is locked."""
 
     start: int
     end: int
@@ -41,32 +51,66 @@ class PageRun:
         return self.start <= ptr < self.end
 
 
+def empty(shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor in pages of its own (an anonymous mapping, freed with the tensor), so
+    that it can be page-locked whatever its size."""
+    shape = tuple(shape)
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    mapping = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)
+    tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+    start = tensor.data_ptr()
+    with _registry_lock:
+        _own[start] = start + len(mapping)
+    weakref.finalize(mapping, _forget, start)  # the tensor keeps the mapping alive
+    return tensor
+
+
+def _forget(start: int) -> None:
+    with _registry_lock:
+        _own.pop(start, None)
+
+
+def _own_pages(ptr: int, nbytes: int) -> bool:
+    """Whether a storage's pages hold its bytes alone."""
+    with _registry_lock:
+        if any(start <= ptr and ptr + nbytes <= end for start, end in _own.items()):
+            return True
+    return nbytes >= MAPPED_ON_ITS_OWN and _heap_maps_large_blocks_apart()
+
+
+def _heap_maps_large_blocks_apart() -> bool:
+    """False where the environment changes glibc's mmap threshold or turns mmap off: a large block may then
+    share its pages with others."""
+    return not any(os.environ.get(name) for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_"))
+
+
+def lockable(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s storage can be page-locked: on the CPU, not pinned already, not empty, and in pages
+    that hold nothing else."""
+    if tensor.device.type != "cpu" or tensor.is_pinned():
+        return False
+    storage = tensor.untyped_storage()
+    return storage.nbytes() > 0 and _own_pages(storage.data_ptr(), storage.nbytes())
+
+
 def page_runs(tensors: Iterable[torch.Tensor]) -> list[PageRun]:
-    """The pages holding the bytes of ``tensors`` that can be locked (CPU, contiguous, not pinned already,
-    not empty), as runs: each tensor's range rounded out to pages, ranges that overlap or touch merged."""
-    ranges = []
-    seen: set[tuple[int, int]] = set()
+    """The storages of the :func:`lockable` ``tensors``, each as one run of whole pages, in address order."""
+    runs: dict[int, PageRun] = {}
     for tensor in tensors:
-        if tensor.device.type != "cpu" or not tensor.numel() or not tensor.is_contiguous() or tensor.is_pinned():
-            continue
-        ptr = tensor.data_ptr()
-        if (ptr, tensor.nbytes) in seen:
-            continue
-        seen.add((ptr, tensor.nbytes))
-        ranges.append((ptr - ptr % PAGE, -(-(ptr + tensor.nbytes) // PAGE) * PAGE, tensor))
-    runs: list[PageRun] = []
-    for start, end, tensor in sorted(ranges, key=lambda r: r[0]):
-        if runs and start <= runs[-1].end:
-            runs[-1].end = max(runs[-1].end, end)
-            runs[-1].tensors.append(tensor)
-        else:
-            runs.append(PageRun(start, end, [tensor]))
-    return runs
+        storage = tensor.untyped_storage()
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        if ptr in runs and tensor.device.type == "cpu":
+            runs[ptr].tensors.append(tensor)
+        elif lockable(tensor):
+            runs[ptr] = PageRun(ptr - ptr % PAGE, -(-(ptr + nbytes) // PAGE) * PAGE, [tensor])
+    return [runs[ptr] for ptr in sorted(runs)]
 
 
 def lock(run: PageRun) -> str | None:
     """Page-lock ``run`` (on the current CUDA device's context). None once locked, else why not: CUDA's error,
-    or a run locked elsewhere in this process overlapping it."""
+    or the storage locked elsewhere in this process already."""
     with _registry_lock:
         if any(start < run.end and run.start < end for start, end in _locked.items()):
             return LOCKED_ELSEWHERE
