@@ -45,6 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stagesafe  # noqa: E402
 from bench_boundary import device_to_host_seconds, disk_write_seconds, end_distributed_job  # noqa: E402
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.stages import page_lock  # noqa: E402
 
 
 class Block(nn.Module):
@@ -113,6 +114,9 @@ def data(vocab: int, n: int = 4, length: int = 129) -> DataLoader:
 def leave_fit(args: argparse.Namespace, strategy, root: str) -> tuple[float, pl.Trainer, GPT]:
     torch.manual_seed(0)
     module = GPT(args.layers, args.width, args.vocab, args.optimizer)
+    if torch.cuda.is_available():  # none of a fresh module's bytes may be page-locked already (a stale lock)
+        stale = [n for n, t in module.state_dict().items() if t.is_pinned() or t.view(-1)[-1:].is_pinned()]
+        assert not stale, f"host memory of a new module is page-locked already: {stale[:3]}"
     mark = EndOfLastStep()
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision="bf16-mixed", max_steps=args.steps,
@@ -172,6 +176,7 @@ def main() -> None:
             "boundary_s": report.seconds, "consolidate_s": report.phases.get("consolidate"),
             "handoff_bytes": report.handoff_bytes, "module_equals_handoff": same,
             "phases": {k: round(v, 4) for k, v in report.phases.items()},
+            "locked_runs_after_round": len(page_lock._locked),
         })
         del trainer, module, strategy
         gc.collect()

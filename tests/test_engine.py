@@ -296,3 +296,23 @@ def test_host_copies_are_private_and_keep_the_containers():
     assert isinstance(host["optimizer_state_dict"]["groups"][1], tuple)
     assert host["loss_scaler"] is state["loss_scaler"] and host["step"] == 7
     assert len(copies) == 3
+
+
+def test_a_destroyed_engines_module_leaves_deepspeeds_global_module_stack(process_group):
+    from deepspeed.runtime.zero import parameter_offload
+
+    model = _net()
+    engine, *_ = deepspeed.initialize(model=model, config=dict(CONFIG))
+    engine(torch.tensor([[1, 2, 3]]))
+    model.hidden.register_forward_hook(_fail)
+    with pytest.raises(ValueError):  # a forward that fails half-way leaves its submodules on the stack too
+        engine(torch.tensor([[1, 2, 3]]))
+    ours = {id(sub) for sub in model.modules()}
+    assert sum(id(entry) in ours for entry in parameter_offload.FWD_MODULE_STACK) >= 2  # what DeepSpeed leaves
+    zero_engine.destroy_engine(engine)
+    zero_engine.strip_deepspeed_state(model, None)
+    assert not any(id(entry) in ours for entry in parameter_offload.FWD_MODULE_STACK)
+
+
+def _fail(module, args, output):
+    raise ValueError("a forward that fails")

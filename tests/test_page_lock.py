@@ -63,7 +63,7 @@ def test_nothing_a_copy_cannot_use_is_planned():
 
 def test_a_storage_locked_elsewhere_is_left_out_before_cuda_is_asked():
     (run,) = page_runs([empty((3 * PAGE // 4,), torch.float32)])
-    page_lock._locked[run.start] = run.end  # as if another buffer had locked it
+    page_lock._locked[run.start] = (run.end, 0)  # as if another buffer had locked it
     try:
         assert page_lock.lock(run) == page_lock.LOCKED_ELSEWHERE
     finally:
@@ -96,3 +96,27 @@ def test_locked_tensors_copy_as_pinned_memory_and_their_heap_neighbours_still_co
         for run in runs:
             page_lock.unlock(run)
     assert not any(t.is_pinned() for t in ours) and not page_lock._locked
+
+
+@pytest.mark.gpu
+@gpu
+def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_freed():
+    from stagesafe.stages.host import HostBuffers
+
+    ours = empty((1 << 20,), torch.float32)
+    (run,) = page_runs([ours])
+    assert page_lock.lock(run) is None
+    start = run.start
+    del ours, run  # no unlock: the mapping's release unlocks it before the pages go
+    gc.collect()
+    assert start not in page_lock._locked and start not in page_lock._own
+    large = torch.zeros(MAPPED_ON_ITS_OWN // 4)
+    buffers = HostBuffers({"large": large}, {"fresh": (torch.Size([1000]), torch.float32)},
+                          lock_on=torch.device("cuda", torch.cuda.current_device())).ready()
+    assert large.is_pinned() and buffers.fresh["fresh"].is_pinned()
+    del buffers  # dropped without unlock(): its runs are unlocked as it goes
+    gc.collect()
+    assert not large.is_pinned() and not page_lock._locked
+    for _ in range(3):  # memory mapped again where those pages were copies as pageable memory
+        fresh = [torch.randn(n) for n in (MAPPED_ON_ITS_OWN // 4, 1 << 20, 100)]
+        assert all(torch.equal(t.to("cuda").cpu(), t) for t in fresh)

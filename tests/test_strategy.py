@@ -193,3 +193,48 @@ def test_after_a_call_the_report_says_what_its_boundary_did_and_the_engine_is_re
     with pytest.warns(UserWarning, match="this Trainer has already trained to max_steps=1: fit will return without"):
         trainer.fit(model, data)  # the same Trainer, already at max_steps
     assert strategy.last_boundary is not report and strategy.last_boundary.stage == "fit"
+
+
+@pytest.mark.slow
+def test_once_the_user_lets_go_a_module_its_trainer_and_its_kept_state_are_freed(in_process):
+    import gc
+    import weakref
+
+    import lightning.pytorch as pl
+    import torch
+    from torch import nn
+
+    from stagesafe.stages.history import history_of
+
+    class Model(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+
+        def training_step(self, batch, index):
+            return self.layer(batch[0]).sum()
+
+        def test_step(self, batch, index):
+            return self.layer(batch[0]).sum()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=0.1)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
+    freed = []
+    for _ in range(2):  # a sweep: one module after another in one process
+        strategy = StageSafeDeepSpeedStrategy(stage=3, wait_for_write=True, config={
+            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3},
+            "train_micro_batch_size_per_gpu": 2})
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                             default_root_dir=in_process, enable_checkpointing=False, enable_progress_bar=False,
+                             enable_model_summary=False)
+        model = Model()
+        trainer.fit(model, data)
+        trainer.test(model, data, verbose=False)
+        kept = history_of(model).kept
+        assert kept is not None and kept.checkpoint is not None  # the optimizer state it keeps between calls
+        freed += [weakref.ref(model), weakref.ref(trainer), weakref.ref(strategy), weakref.ref(kept)]
+        del model, trainer, strategy, kept
+        gc.collect()
+    assert [ref() for ref in freed] == [None] * len(freed)  # DeepSpeed's global module stack held every one

@@ -51,7 +51,6 @@ class HostBuffers:
         self.existing = dict(existing)
         self._go_on = go_on  # cleared: the work waits (between pieces) until it is set again
         self._new = dict(new or {})
-        self._device = lock_on
         self.fresh: dict[str, torch.Tensor] = {}
         self._locked: list[page_lock.PageRun] = []
         self._lock = threading.Lock()
@@ -59,6 +58,7 @@ class HostBuffers:
             target=self._prepare, args=(dict(fresh), lock_on), name="stagesafe-host-buffers", daemon=True
         )
         self._thread.start()
+        weakref.finalize(self, page_lock.unlock_all, self._locked)  # dropped without unlock(): before the memory goes
 
     def ready(self) -> "HostBuffers":
         self._thread.join()
@@ -73,10 +73,6 @@ class HostBuffers:
             else:
                 ptrs = [t.data_ptr() for t in tensors]
                 runs = [run for run in self._locked if any(run.holds(ptr) for ptr in ptrs)]
-            if not runs:
-                return
-            if self._device is not None:
-                torch.cuda.set_device(self._device)  # perhaps in the writer's thread: use this rank's GPU
             for run in list(runs):
                 page_lock.unlock(run)
                 self._locked.remove(run)

@@ -16,6 +16,8 @@ locked elsewhere is wholly locked already, so its copies are right.
 
 from __future__ import annotations
 
+import ctypes
+import logging
 import math
 import mmap
 import os
@@ -26,16 +28,23 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "page_runs", "unlock"]
+__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "page_runs", "unlock", "unlock_all"]
 
 PAGE = mmap.PAGESIZE
 LOCKED_ELSEWHERE = "already page-locked by this process"
 MAPPED_ON_ITS_OWN = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: no larger block comes from the heap
 _REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
 
-_registry_lock = threading.Lock()
-_locked: dict[int, int] = {}  # start -> end of every run this process has locked
+log = logging.getLogger(__name__)
+
+_registry_lock = threading.RLock()  # a finalizer may free pages during a collection in a thread holding it
+_locked: dict[int, tuple[int, int]] = {}  # start -> (end, CUDA device) of every run this process has locked
 _own: dict[int, int] = {}  # start -> end of every live mapping made by empty()
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 @dataclass
@@ -52,24 +61,30 @@ class PageRun:
 
 
 def empty(shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised host tensor in pages of its own (an anonymous mapping, freed with the tensor), so
-    that it can be page-locked whatever its size."""
+    """An uninitialised host tensor in pages of its own (an anonymous mapping), so that it can be page-locked
+    whatever its size. The pages go with the last view of them, unlocked first if they are still locked."""
     shape = tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, -(-nbytes // PAGE) * PAGE)
-    tensor = torch.frombuffer(mapping, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
-    start = tensor.data_ptr()
+    length = -(-nbytes // PAGE) * PAGE
+    start = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if start in (None, _MAP_FAILED):
+        raise MemoryError(f"could not map {length} bytes of host memory: {os.strerror(ctypes.get_errno())}")
+    pages = (ctypes.c_ubyte * length).from_address(start)
     with _registry_lock:
-        _own[start] = start + len(mapping)
-    weakref.finalize(mapping, _forget, start)  # the tensor keeps the mapping alive
-    return tensor
+        _own[start] = start + length
+    weakref.finalize(pages, _release, start, length)  # once the tensor's storage lets go of them
+    return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
-def _forget(start: int) -> None:
+def _release(start: int, length: int) -> None:
     with _registry_lock:
         _own.pop(start, None)
+        locked = _locked.pop(start, None)
+        if locked is not None:  # its owner never unlocked it: CUDA must forget the pages before they go
+            _unregister(start, locked[1])
+    _libc.munmap(start, length)
 
 
 def _own_pages(ptr: int, nbytes: int) -> bool:
@@ -112,18 +127,33 @@ def lock(run: PageRun) -> str | None:
     """Page-lock ``run`` (on the current CUDA device's context). None once locked, else why not: CUDA's error,
     or the storage locked elsewhere in this process already."""
     with _registry_lock:
-        if any(start < run.end and run.start < end for start, end in _locked.items()):
+        if any(start < run.end and run.start < end for start, (end, _) in _locked.items()):
             return LOCKED_ELSEWHERE
         cudart = torch.cuda.cudart()
         error = cudart.cudaHostRegister(run.start, run.end - run.start, _REGISTER_FLAGS)
         if int(error) != 0:  # a cudaError enum: truthy whatever its value
             return str(cudart.cudaGetErrorString(error))
-        _locked[run.start] = run.end
+        _locked[run.start] = (run.end, torch.cuda.current_device())
         return None
 
 
 def unlock(run: PageRun) -> None:
-    """Unlock a run :func:`lock` locked; its tensors may be freed afterwards."""
+    """Unlock a run :func:`lock` locked (from any thread); its tensors may be freed afterwards."""
     with _registry_lock:
-        if _locked.pop(run.start, None) is not None:
-            torch.cuda.cudart().cudaHostUnregister(run.start)
+        locked = _locked.pop(run.start, None)
+        if locked is not None:
+            _unregister(run.start, locked[1])
+
+
+def unlock_all(runs: list[PageRun]) -> None:
+    """Unlock every run of ``runs`` and empty it: what an owner of locked runs does before it can be freed."""
+    while runs:
+        unlock(runs.pop())
+
+
+def _unregister(start: int, device: int) -> None:
+    with torch.cuda.device(device):  # the context that locked them; the thread's own device is kept
+        error = torch.cuda.cudart().cudaHostUnregister(start)
+    if int(error) != 0:
+        log.warning("stagesafe: could not unlock page-locked host memory at %#x: %s", start,
+                    torch.cuda.cudart().cudaGetErrorString(error))

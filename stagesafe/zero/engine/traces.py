@@ -5,6 +5,7 @@ here (:mod:`.values_in` puts them back)."""
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -124,6 +125,33 @@ def destroy_engine(engine: Any) -> None:
     engine.destroy()
 
 
+def _release_deepspeed_globals(module: nn.Module) -> None:
+    """What DeepSpeed keeps of an engine in its globals after ``destroy()``, let go: ZeRO-3 pushes each engine's
+    module on a global stack (``parameter_offload.FWD_MODULE_STACK``) that is never popped (a forward that failed
+    leaves its submodules there too), and caches which parameters each submodule releases in an unbounded
+    ``lru_cache`` on the coordinator's class. Either keeps the module, its Trainer and all they hold (kept
+    optimizer state in page-locked memory) until the process ends; the cache is only a cache."""
+    stack = getattr(sys.modules.get("deepspeed.runtime.zero.parameter_offload"), "FWD_MODULE_STACK", None)
+    if isinstance(stack, list):
+        ours = {id(sub) for sub in module.modules()}
+        stack[:] = [entry for entry in stack if id(entry) not in ours]
+    coordinator = getattr(
+        sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator"), "PartitionedParameterCoordinator", None
+    )
+    release = vars(coordinator).get("_PartitionedParameterCoordinator__params_to_release") if coordinator else None
+    cells = getattr(release, "__closure__", None) or ()  # under DeepSpeed's NVTX wrapper
+    for cached in (release, getattr(release, "__wrapped__", None), *map(_contents, cells)):
+        if callable(getattr(cached, "cache_clear", None)):
+            cached.cache_clear()
+
+
+def _contents(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
 def strip_deepspeed_state(module: nn.Module, footprint: ModuleFootprint | None) -> None:
     """Take the module back to plain PyTorch: drop every attribute, hook and container DeepSpeed added.
 
@@ -131,6 +159,7 @@ def strip_deepspeed_state(module: nn.Module, footprint: ModuleFootprint | None) 
     without a footprint only what is recognisably DeepSpeed's goes. Tensor values are not touched here.
     """
     params, _ = named_tensors(module)
+    _release_deepspeed_globals(module)
     for sub in module.modules():
         _restore_parameter_dict(sub)
         before = footprint.module_attrs.get(id(sub)) if footprint else None
