@@ -51,7 +51,8 @@ class HandoffExistsError(StageSafeError, FileExistsError):
 
 
 class HandoffNotReadyError(StageSafeError, RuntimeError):
-    """Another rank of this job is still writing the handoff in the background; join it first."""
+    """The handoff is still being written: by this job in the background (join it first), or by another writer
+    that replaced it again each time it was read (read it again once that writer is done)."""
 
 
 class StateDictMismatchError(StageSafeError, KeyError):

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import stagesafe
-from stagesafe.errors import HandoffCorruptError
+from stagesafe.errors import HandoffCorruptError, HandoffNotReadyError
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 ROUNDS = 20
@@ -78,21 +78,24 @@ def test_readers_never_take_a_handoff_being_replaced_for_a_damaged_one(tmp_path)
 
     writer = threading.Thread(target=replace)
     writer.start()
-    corrupt, checks = [], 0
+    corrupt, busy, whole = [], 0, 0
     try:
         while len(commits) < 40:
             try:
                 stagesafe.verify(uri)
                 loaded = stagesafe.load_state_dict(uri)
                 assert any(all(torch.equal(loaded[k], v) for k, v in _state(s).items()) for s in (0, 1))
+                whole += 1
+            except HandoffNotReadyError:  # every attempt met a newer handoff: said so, not called damaged
+                busy += 1
             except HandoffCorruptError as exc:
                 corrupt.append(str(exc))
-            checks += 1
     finally:
         stop.set()
         writer.join(60)
+    checks = whole + busy + len(corrupt)
     assert corrupt == [], f"{len(corrupt)} of {checks} reads called a healthy handoff damaged: {corrupt[0]}"
-    assert checks > 10
+    assert whole > 0 and checks > 10
 
 
 def _replace_before_open(monkeypatch, path: str, times: int) -> list[int]:
@@ -160,3 +163,23 @@ def test_a_handoff_replaced_while_its_shards_are_read_is_read_whole_by_verify_as
     else:
         assert set(stagesafe.load_state_dict(uri)) == set(_state(0))
     assert len(commits) == 1  # read whole at the first attempt, as the shard's descriptor was open
+
+
+def test_a_handoff_replaced_before_every_read_of_a_shard_is_said_busy_not_damaged(tmp_path, monkeypatch):
+    uri = str(tmp_path / "handoff")
+    stagesafe.save_state_dict(_state(0), uri)
+    real_open, folder, commits = os.open, os.path.realpath(uri), []
+
+    def commit_then_open(file, flags, *args, **kwargs):
+        path = os.fspath(file)
+        if os.path.dirname(path) == folder and path.endswith(".safetensors"):
+            commits.append(path)  # a writer saving in a loop wins the race at every attempt
+            stagesafe.save_state_dict(_state(len(commits) % 2), uri, overwrite=True)
+        return real_open(file, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", commit_then_open)
+    with pytest.raises(HandoffNotReadyError, match="replaced 8 times while being read; read it again once"):
+        stagesafe.load_state_dict(uri)
+    assert len(commits) == 8
+    monkeypatch.setattr(os, "open", real_open)
+    assert stagesafe.verify(uri)["shards"]  # the handoff itself was whole all along

@@ -154,15 +154,12 @@ def in_process(tmp_path):
         set_accelerator(accelerator)
 
 
-@pytest.mark.slow
-def test_after_a_call_the_report_says_what_its_boundary_did_and_the_engine_is_released(in_process):
+def _one_rank_run(root, optimizer: str = "SGD"):
+    """A one-layer LightningModule (training and test steps), a Trainer of one CPU rank under stagesafe with a
+    foreground write, and data: what the in-process tests run."""
     import lightning.pytorch as pl
     import torch
     from torch import nn
-
-    import stagesafe
-    from stagesafe import EngineReleasedError
-    from _tensors import assert_bitwise_equal
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
@@ -172,17 +169,29 @@ def test_after_a_call_the_report_says_what_its_boundary_did_and_the_engine_is_re
         def training_step(self, batch, index):
             return self.layer(batch[0]).sum()
 
+        def test_step(self, batch, index):
+            return self.layer(batch[0]).sum()
+
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.1)
+            return getattr(torch.optim, optimizer)(self.parameters(), lr=0.1)
 
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
     strategy = StageSafeDeepSpeedStrategy(stage=3, wait_for_write=True, config={
         "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": 2})
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, default_root_dir=in_process,
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, default_root_dir=root,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
-    model = Model()
+    return Model(), strategy, trainer, data
+
+
+@pytest.mark.slow
+def test_after_a_call_the_report_says_what_its_boundary_did_and_the_engine_is_released(in_process):
+    import stagesafe
+    from stagesafe import EngineReleasedError
+    from _tensors import assert_bitwise_equal
+
+    model, strategy, trainer, data = _one_rank_run(in_process)
     trainer.fit(model, data)
     report, uri = strategy.last_boundary, str(in_process / "stagesafe_handoff")
     assert (report.stage, report.uri, report.wrote, report.clean) == ("fit", uri, True, True)
@@ -200,36 +209,11 @@ def test_once_the_user_lets_go_a_module_its_trainer_and_its_kept_state_are_freed
     import gc
     import weakref
 
-    import lightning.pytorch as pl
-    import torch
-    from torch import nn
-
     from stagesafe.stages.history import history_of
 
-    class Model(pl.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.Linear(4, 2)
-
-        def training_step(self, batch, index):
-            return self.layer(batch[0]).sum()
-
-        def test_step(self, batch, index):
-            return self.layer(batch[0]).sum()
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.1)
-
-    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
     freed = []
     for _ in range(2):  # a sweep: one module after another in one process
-        strategy = StageSafeDeepSpeedStrategy(stage=3, wait_for_write=True, config={
-            "zero_allow_untested_optimizer": True, "zero_optimization": {"stage": 3},
-            "train_micro_batch_size_per_gpu": 2})
-        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
-                             default_root_dir=in_process, enable_checkpointing=False, enable_progress_bar=False,
-                             enable_model_summary=False)
-        model = Model()
+        model, strategy, trainer, data = _one_rank_run(in_process, optimizer="AdamW")
         trainer.fit(model, data)
         trainer.test(model, data, verbose=False)
         kept = history_of(model).kept
@@ -237,4 +221,4 @@ def test_once_the_user_lets_go_a_module_its_trainer_and_its_kept_state_are_freed
         freed += [weakref.ref(model), weakref.ref(trainer), weakref.ref(strategy), weakref.ref(kept)]
         del model, trainer, strategy, kept
         gc.collect()
-    assert [ref() for ref in freed] == [None] * len(freed)  # DeepSpeed's global module stack held every one
+    assert [ref() for ref in freed] == [None] * len(freed)  # DeepSpeed's globals held every one

@@ -12,10 +12,11 @@ from __future__ import annotations
 import contextlib
 import json
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, clip
+from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, HandoffNotReadyError, InvalidArgumentError, clip
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.folder import HandoffFolder, check_workers, each
@@ -57,7 +58,7 @@ __all__ = [
 T = TypeVar("T")
 MAX_JSON = 256 * 1024 * 1024  # a manifest or index larger than this is refused unread (100k tensors: ~30 MB)
 _PROGRESS_FROM = 1_000_000_000  # bytes from which a load shows a bar on a terminal unless told
-_READ_ROUNDS = 3  # reads started over because a writer replaced the handoff meanwhile
+_READ_ROUNDS = 8  # reads started over because a writer replaced the handoff meanwhile (about 1 s in all)
 
 
 class ShardVanished(Exception):
@@ -219,7 +220,7 @@ def shard_progress(
 def while_unchanged(folder: HandoffFolder, manifest: dict[str, Any], read: Callable[[dict[str, Any]], T]) -> T:
     """``read(manifest)``, started over from the new manifest when a writer replaced the handoff meanwhile
     (and deleted the shards being read): only a handoff that stays committed while it is read is damaged."""
-    for _ in range(_READ_ROUNDS):
+    for round_ in range(_READ_ROUNDS):
         try:
             return read(manifest)
         except (ShardVanished, HandoffCorruptError) as exc:
@@ -229,8 +230,9 @@ def while_unchanged(folder: HandoffFolder, manifest: dict[str, Any], read: Calla
                     raise HandoffCorruptError(str(exc)) from None
                 raise
             manifest = newer
-    raise HandoffCorruptError(
-        f"{folder.url!r} was replaced {_READ_ROUNDS} times while being read; read it again later"
+            time.sleep(min(0.01 * 2**round_, 0.2) if round_ else 0)  # a writer replacing it at once, again
+    raise HandoffNotReadyError(  # not damage: every read met a newer handoff
+        f"{folder.url!r} was replaced {_READ_ROUNDS} times while being read; read it again once its writer is done"
     )
 
 
