@@ -16,6 +16,7 @@ on rank 0, the handoff's digest and metadata once joined.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -139,5 +140,16 @@ def main() -> None:
     raise SystemExit(f"unknown case {case!r}")
 
 
+def _end_process_group() -> None:
+    """End the job's process group once every background write is joined (the writer's exit hook runs before
+    atexit's), as torch asks: gloo torn down while the interpreter finalizes can abort a script whose work is
+    done ("terminate called without an active exception", seen once in CI in a case whose group is broken)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 if __name__ == "__main__":
+    atexit.register(_end_process_group)
     main()
