@@ -5,6 +5,9 @@ tensor, its neighbours on the C heap included, still copies (CUDA refuses a copy
 from __future__ import annotations
 
 import gc
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ import torch
 from stagesafe.stages import page_lock
 from stagesafe.stages.page_lock import MAPPED_ON_ITS_OWN, PAGE, empty, lockable, page_runs
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -120,3 +124,18 @@ def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_free
     for _ in range(3):  # memory mapped again where those pages were copies as pageable memory
         fresh = [torch.randn(n) for n in (MAPPED_ON_ITS_OWN // 4, 1 << 20, 100)]
         assert all(torch.equal(t.to("cuda").cpu(), t) for t in fresh)
+
+
+def test_memory_from_empty_stays_readable_by_the_users_exit_hooks(tmp_path):
+    script = tmp_path / "ends.py"
+    script.write_text(
+        "import atexit, sys\n"
+        "kept = []\n"
+        "atexit.register(lambda: print('read at exit:', kept[0].sum().item(), flush=True))  # before any import\n"
+        f"sys.path.insert(0, {ROOT!r})\n"
+        "import torch\n"
+        "from stagesafe.stages import page_lock\n"
+        "kept.append(page_lock.empty((1000,), torch.float32).fill_(1.0))\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stdout) == (0, "read at exit: 1000.0\n"), done.stderr[-2000:]

@@ -58,7 +58,8 @@ class HostBuffers:
             target=self._prepare, args=(dict(fresh), lock_on), name="stagesafe-host-buffers", daemon=True
         )
         self._thread.start()
-        weakref.finalize(self, page_lock.unlock_all, self._locked)  # dropped without unlock(): before the memory goes
+        # dropped without unlock(): unlocked before the memory can go (not at exit: the process's end frees all)
+        weakref.finalize(self, page_lock.unlock_all, self._locked).atexit = False
 
     def ready(self) -> "HostBuffers":
         self._thread.join()

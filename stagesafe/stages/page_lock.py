@@ -74,7 +74,8 @@ def empty(shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
     pages = (ctypes.c_ubyte * length).from_address(start)
     with _registry_lock:
         _own[start] = start + length
-    weakref.finalize(pages, _release, start, length)  # once the tensor's storage lets go of them
+    # once the tensor's storage lets go of them; never at exit, where code may still read them (the end frees all)
+    weakref.finalize(pages, _release, start, length).atexit = False
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
 
 
