@@ -66,14 +66,14 @@ class HostBuffers:
         return self
 
     def unlock(self, tensors: Iterable[torch.Tensor] | None = None) -> None:
-        """Unlock ``tensors`` (default: all that this object locked; a page run that holds one of them is
-        unlocked whole); they may be freed afterwards."""
+        """Unlock the storages of ``tensors`` (default: all that this object locked); they may be freed
+        afterwards."""
         with self._lock:
             if tensors is None:
                 runs = self._locked
             else:
-                ptrs = [t.data_ptr() for t in tensors]
-                runs = [run for run in self._locked if any(run.holds(ptr) for ptr in ptrs)]
+                storages = {t.untyped_storage().data_ptr() for t in tensors}
+                runs = [run for run in self._locked if run.storage in storages]
             for run in list(runs):
                 page_lock.unlock(run)
                 self._locked.remove(run)

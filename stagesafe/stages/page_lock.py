@@ -56,8 +56,10 @@ class PageRun:
     end: int
     tensors: list[torch.Tensor] = field(default_factory=list)
 
-    def holds(self, ptr: int) -> bool:
-        return self.start <= ptr < self.end
+    @property
+    def storage(self) -> int:
+        """The address of the storage whose pages these are."""
+        return self.tensors[0].untyped_storage().data_ptr()
 
 
 def empty(shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
@@ -91,7 +93,8 @@ def _release(start: int, length: int) -> None:
 def _own_pages(ptr: int, nbytes: int) -> bool:
     """Whether a storage's pages hold its bytes alone."""
     with _registry_lock:
-        if any(start <= ptr and ptr + nbytes <= end for start, end in _own.items()):
+        end = _own.get(ptr)  # a storage of empty() starts where its mapping does
+        if end is not None and ptr + nbytes <= end:
             return True
     return nbytes >= MAPPED_ON_ITS_OWN and _heap_maps_large_blocks_apart()
 
@@ -128,7 +131,7 @@ def lock(run: PageRun) -> str | None:
     """Page-lock ``run`` (on the current CUDA device's context). None once locked, else why not: CUDA's error,
     or the storage locked elsewhere in this process already."""
     with _registry_lock:
-        if any(start < run.end and run.start < end for start, (end, _) in _locked.items()):
+        if run.start in _locked:  # runs are whole storages' own pages: another run here is this storage's
             return LOCKED_ELSEWHERE
         cudart = torch.cuda.cudart()
         error = cudart.cudaHostRegister(run.start, run.end - run.start, _REGISTER_FLAGS)
