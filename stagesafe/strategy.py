@@ -554,29 +554,15 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
-        for stage in (1, 2, 3):
+        offload = {"offload_optimizer": True}
+        for name, description, arguments in (
+            *((f"stage_{n}", f"ZeRO stage {n}", {"stage": n}) for n in (1, 2, 3)),
+            ("stage_2_offload", "ZeRO stage 2 with CPU optimizer offload", {"stage": 2, **offload}),
+            ("stage_3_offload", "ZeRO stage 3 with CPU offload", {"stage": 3, **offload, "offload_parameters": True}),
+        ):
             strategy_registry.register(
-                f"stagesafe_deepspeed_stage_{stage}",
-                cls,
-                description=f"stagesafe: DeepSpeed ZeRO stage {stage}",
-                stage=stage,
+                f"stagesafe_deepspeed_{name}", cls, description=f"stagesafe: DeepSpeed {description}", **arguments
             )
-        strategy_registry.register(
-            "stagesafe_deepspeed_stage_2_offload",
-            cls,
-            description="stagesafe: DeepSpeed ZeRO stage 2 with CPU optimizer offload",
-            stage=2,
-            offload_optimizer=True,
-        )
-        strategy_registry.register(
-            "stagesafe_deepspeed_stage_3_offload",
-            cls,
-            description="stagesafe: DeepSpeed ZeRO stage 3 with CPU offload",
-            stage=3,
-            offload_optimizer=True,
-            offload_parameters=True,
-        )
-
 
 _RESTART = (
     "Restart the job; it continues from the last committed handoff with "
