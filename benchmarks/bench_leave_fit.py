@@ -176,7 +176,8 @@ def main() -> None:
             "boundary_s": report.seconds, "consolidate_s": report.phases.get("consolidate"),
             "handoff_bytes": report.handoff_bytes, "module_equals_handoff": same,
             "phases": {k: round(v, 4) for k, v in report.phases.items()},
-            "locked_runs_after_round": len(page_lock._locked),
+            "locked_runs_after_round": len(page_lock._locked),  # the kept state's, while this module lives
+            "locked_bytes_after_round": sum(end - start for start, (end, _) in page_lock._locked.items()),
         })
         del trainer, module, strategy
         gc.collect()
