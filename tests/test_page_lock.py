@@ -55,8 +55,9 @@ def test_a_storage_the_c_allocator_maps_on_its_own_is_locked_whole_unless_the_en
     view = large[PAGE:]
     (run,) = page_runs([view])
     storage = large.untyped_storage()
-    assert run.start == storage.data_ptr() - storage.data_ptr() % PAGE and run.end >= storage.data_ptr() + storage.nbytes()
-    assert run.end - run.start < storage.nbytes() + 2 * PAGE  # its own pages, no more
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    assert run.start == ptr - ptr % PAGE and run.end >= ptr + nbytes
+    assert run.end - run.start < nbytes + 2 * PAGE  # its own pages, no more
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2 * MAPPED_ON_ITS_OWN))
     assert not lockable(large) and lockable(empty((4,), torch.float32))
 

@@ -16,7 +16,6 @@ on rank 0, the handoff's digest and metadata once joined.
 
 from __future__ import annotations
 
-import atexit
 import datetime
 import json
 import os
@@ -136,20 +135,25 @@ def main() -> None:
         record("fit", module, fit)
         module.fail_in = None
         record("test", module, test)
-        return
+        _leave_at_once()
     raise SystemExit(f"unknown case {case!r}")
 
 
-def _end_process_group() -> None:
-    """End the job's process group once every background write is joined (the writer's exit hook runs before
-    atexit's), as torch asks: gloo torn down while the interpreter finalizes can abort a script whose work is
-    done ("terminate called without an active exception", seen once in CI in a case whose group is broken)."""
+def _leave_at_once() -> None:
+    """The process group is broken, and gloo may abort as it tears a broken group down at interpreter exit
+    ("terminate called without an active exception", seen in CI): every rank says it is done through the job's
+    key-value store, whose host (rank 0) waits for the others, then all leave at once. Nothing is being written."""
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"faults-left-{RANK}", "1")
+    if RANK == 0:
+        everyone = [f"faults-left-{rank}" for rank in range(dist.get_world_size())]
+        store.wait(everyone, datetime.timedelta(seconds=60))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
-    atexit.register(_end_process_group)
     main()
