@@ -222,3 +222,24 @@ def test_once_the_user_lets_go_a_module_its_trainer_and_its_kept_state_are_freed
         del model, trainer, strategy, kept
         gc.collect()
     assert [ref() for ref in freed] == [None] * len(freed)  # DeepSpeed's globals held every one
+
+
+@pytest.mark.slow
+def test_a_fit_whose_host_memory_could_not_be_made_ready_still_ends_with_its_weights(in_process, monkeypatch, caplog):
+    import torch
+
+    import stagesafe
+    from stagesafe.stages import page_lock
+    from _tensors import assert_bitwise_equal
+
+    def no_mapping(shape, dtype):
+        raise MemoryError("could not map host memory: Cannot allocate memory")
+
+    monkeypatch.setattr(page_lock, "empty", no_mapping)  # e.g. vm.max_map_count reached
+    model, strategy, trainer, data = _one_rank_run(in_process)
+    with caplog.at_level("WARNING", logger="stagesafe"):
+        trainer.fit(model, data)
+    assert "preparing host memory for the end of the stage failed" in caplog.text
+    handoff = stagesafe.load_state_dict(str(in_process / "stagesafe_handoff"))
+    assert_bitwise_equal(handoff, {n: t.detach() for n, t in model.state_dict().items()})
+    assert model.layer.weight.dtype == torch.float32 and model.layer.weight.numel() == 8
