@@ -170,14 +170,15 @@ def main() -> None:
         same = None
         if rank == 0:
             same = bitwise_equal(module, stagesafe.load_state_dict(os.path.join(args.root, "handoff")))
+        locked = page_lock.locked_ranges()
         rows.append({
             "round": round_, "who": who, "rank": rank, "kept_bytes": _kept_bytes(module), "leave_fit_s": blocked, "wait_for_handoff_s": waited,
             "write_s": report.phases.get("handoff_write"), "private_copy_s": report.phases.get("handoff_write_private_copy"),
             "boundary_s": report.seconds, "consolidate_s": report.phases.get("consolidate"),
             "handoff_bytes": report.handoff_bytes, "module_equals_handoff": same,
             "phases": {k: round(v, 4) for k, v in report.phases.items()},
-            "locked_runs_after_round": len(page_lock._locked),  # the kept state's, while this module lives
-            "locked_bytes_after_round": sum(end - start for start, (end, _) in page_lock._locked.items()),
+            "locked_runs_after_round": len(locked),  # the kept state's, while this module lives
+            "locked_bytes_after_round": sum(end - start for start, end in locked),
         })
         del trainer, module, strategy
         gc.collect()

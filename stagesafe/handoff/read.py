@@ -230,7 +230,8 @@ def while_unchanged(folder: HandoffFolder, manifest: dict[str, Any], read: Calla
                     raise HandoffCorruptError(str(exc)) from None
                 raise
             manifest = newer
-            time.sleep(min(0.01 * 2**round_, 0.2) if round_ else 0)  # a writer replacing it at once, again
+            if 0 < round_ < _READ_ROUNDS - 1:  # a writer replacing it at once, again: give it a moment
+                time.sleep(min(0.01 * 2**round_, 0.2))
     raise HandoffNotReadyError(  # not damage: every read met a newer handoff
         f"{folder.url!r} was replaced {_READ_ROUNDS} times while being read; read it again once its writer is done"
     )

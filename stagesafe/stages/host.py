@@ -70,11 +70,10 @@ class HostBuffers:
         afterwards."""
         with self._lock:
             if tensors is None:
-                runs = self._locked
-            else:
-                storages = {t.untyped_storage().data_ptr() for t in tensors}
-                runs = [run for run in self._locked if run.storage in storages]
-            for run in list(runs):
+                page_lock.unlock_all(self._locked)
+                return
+            storages = {t.untyped_storage().data_ptr() for t in tensors}
+            for run in [run for run in self._locked if run.storage in storages]:
                 page_lock.unlock(run)
                 self._locked.remove(run)
 

@@ -28,7 +28,8 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "page_runs", "unlock", "unlock_all"]
+__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "locked_ranges", "page_runs", "unlock",
+           "unlock_all"]
 
 PAGE = mmap.PAGESIZE
 LOCKED_ELSEWHERE = "already page-locked by this process"
@@ -118,13 +119,19 @@ def page_runs(tensors: Iterable[torch.Tensor]) -> list[PageRun]:
     """The storages of the :func:`lockable` ``tensors``, each as one run of whole pages, in address order."""
     runs: dict[int, PageRun] = {}
     for tensor in tensors:
-        storage = tensor.untyped_storage()
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        ptr = tensor.untyped_storage().data_ptr()
         if ptr in runs and tensor.device.type == "cpu":
             runs[ptr].tensors.append(tensor)
         elif lockable(tensor):
-            runs[ptr] = PageRun(ptr - ptr % PAGE, -(-(ptr + nbytes) // PAGE) * PAGE, [tensor])
+            end = ptr + tensor.untyped_storage().nbytes()
+            runs[ptr] = PageRun(ptr - ptr % PAGE, -(-end // PAGE) * PAGE, [tensor])
     return [runs[ptr] for ptr in sorted(runs)]
+
+
+def locked_ranges() -> list[tuple[int, int]]:
+    """``(start, end)`` of every run locked in this process now."""
+    with _registry_lock:
+        return [(start, end) for start, (end, _) in _locked.items()]
 
 
 def lock(run: PageRun) -> str | None:
