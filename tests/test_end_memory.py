@@ -79,8 +79,12 @@ def test_a_fit_that_keeps_no_optimizer_state_says_why_without_asking_the_engine(
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_on_a_gpu_a_tensor_that_cannot_be_locked_in_place_gets_host_memory_of_its_own_and_all_is_locked():
-    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(4096, 2048, bias=False))  # 32 MiB: mapped on its own
+def test_on_a_gpu_the_c_allocators_tensors_get_host_memory_of_their_own_stagesafes_are_locked_in_place():
+    from stagesafe.stages.page_lock import empty
+
+    module = nn.Sequential(nn.Linear(4, 3), nn.Linear(4096, 2048, bias=False))  # 32 MiB: maybe mapped on its own
+    ours = empty(module[1].weight.shape, torch.float32).copy_(module[1].weight.detach())
+    module[1].weight = nn.Parameter(ours)  # as a stage's end leaves it: stagesafe's own pages
     tensors = state_tensors(module)
     memory = _memory(device=torch.device("cuda", torch.cuda.current_device()))
     memory.prepare_weights(module, tensors, original=_original(module), built=set())
@@ -88,9 +92,10 @@ def test_on_a_gpu_a_tensor_that_cannot_be_locked_in_place_gets_host_memory_of_it
     try:
         existing = weights.existing
         assert existing["1.weight"].data_ptr() == tensors["1.weight"].data_ptr()  # in place
-        for name in ("0.weight", "0.bias"):  # on the C heap: replaced by tensors of their own pages
+        for name in ("0.weight", "0.bias"):  # the C allocator's: replaced by tensors of their own pages
             assert existing[name].data_ptr() != tensors[name].data_ptr() and existing[name].shape == tensors[name].shape
         assert all(t.is_pinned() for t in [*existing.values(), *weights.fresh.values()])
+        assert not any(tensors[name].is_pinned() for name in ("0.weight", "0.bias"))
         assert all(torch.equal(t.to("cuda").cpu(), t) for t in tensors.values())  # the module's own still copy
     finally:
         weights.unlock()

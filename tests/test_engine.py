@@ -1,6 +1,7 @@
-"""A live DeepSpeed engine's internals (stagesafe/zero/engine/), on a real 1-rank ZeRO-3 engine built on the CPU in
-the test process (gloo): the state it leaves on a module and what takes it away, the full shapes behind its
-placeholders, the weights read out of it and loaded into it, and its checkpoint files. Tensors compare bit for bit.
+"""A live DeepSpeed engine's internals (stagesafe/zero/engine/), on a real 1-rank ZeRO-3 engine built in the test
+process (gloo; on the CPU, or on the GPU where DeepSpeed chose it before these tests began): the state it leaves
+on a module and what takes it away, the full shapes behind its placeholders, the weights read out of it and
+loaded into it, and its checkpoint files. Tensors compare bit for bit.
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def _state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _step(engine) -> None:
-    loss = engine(torch.tensor([[1, 2, 3], [4, 5, 6]])).pow(2).mean()
+    loss = engine(torch.tensor([[1, 2, 3], [4, 5, 6]], device=engine.device)).pow(2).mean()
     engine.backward(loss)
     engine.step()
 
@@ -270,7 +271,8 @@ def test_checkpoint_files_are_those_deepspeed_saves_copied_off_the_engine(build,
     engine = build(model)
     _step(engine)  # AdamW makes its moments
     files = zero_engine.checkpoint_files(engine, exclude_frozen=False)
-    assert zero_engine.checkpoint_device_specs(engine, exclude_frozen=False) == []  # on the CPU: nothing to prepare
+    on_device = zero_engine.checkpoint_device_specs(engine, exclude_frozen=False)
+    assert (on_device == []) == (engine.device.type == "cpu")  # on the CPU: nothing to prepare host memory for
     engine.save_checkpoint(str(tmp_path), tag="saved")
     assert sorted(files) == sorted(os.listdir(tmp_path / "saved"))
     engine_tensors = {t.data_ptr() for t in zero_engine._tensors_in(engine.optimizer.state_dict())}
@@ -303,10 +305,10 @@ def test_a_destroyed_engines_module_leaves_deepspeeds_global_module_stack(proces
 
     model = _net()
     engine, *_ = deepspeed.initialize(model=model, config=dict(CONFIG))
-    engine(torch.tensor([[1, 2, 3]]))
+    engine(torch.tensor([[1, 2, 3]], device=engine.device))
     model.hidden.register_forward_hook(_fail)
     with pytest.raises(ValueError):  # a forward that fails half-way leaves its submodules on the stack too
-        engine(torch.tensor([[1, 2, 3]]))
+        engine(torch.tensor([[1, 2, 3]], device=engine.device))
     ours = {id(sub) for sub in model.modules()}
     assert sum(id(entry) in ours for entry in parameter_offload.FWD_MODULE_STACK) >= 2  # what DeepSpeed leaves
     zero_engine.destroy_engine(engine)

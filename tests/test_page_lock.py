@@ -1,5 +1,5 @@
-"""Page-locking host tensors in place (stagesafe/stages/page_lock.py): only storages whose pages hold nothing
-else are ever locked, each once per process; on a GPU, locked tensors copy as pinned memory and every other host
+"""Page-locking host tensors in place (stagesafe/stages/page_lock.py): only storages in pages of their own
+(stagesafe's own mappings) are ever locked, each once per process; on a GPU, locked tensors copy as pinned memory and every other host
 tensor, its neighbours on the C heap included, still copies (CUDA refuses a copy whose bytes are partly locked)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from stagesafe.stages import page_lock
-from stagesafe.stages.page_lock import MAPPED_ON_ITS_OWN, PAGE, empty, lockable, page_runs
+from stagesafe.stages.page_lock import PAGE, empty, lockable, page_runs
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -48,18 +48,34 @@ def test_small_tensors_of_the_c_heap_are_never_locked_for_their_pages_hold_other
     assert not any(lockable(t) for t in neighbours) and page_runs(neighbours) == []
 
 
-def test_a_storage_the_c_allocator_maps_on_its_own_is_locked_whole_unless_the_environment_moves_that_line(
-    monkeypatch,
-):
-    large = torch.empty(MAPPED_ON_ITS_OWN // 4)
-    view = large[PAGE:]
-    (run,) = page_runs([view])
-    storage = large.untyped_storage()
-    ptr, nbytes = storage.data_ptr(), storage.nbytes()
-    assert run.start == ptr - ptr % PAGE and run.end >= ptr + nbytes
-    assert run.end - run.start < nbytes + 2 * PAGE  # its own pages, no more
-    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(2 * MAPPED_ON_ITS_OWN))
-    assert not lockable(large) and lockable(empty((4,), torch.float32))
+def _heap_range() -> tuple[int, int]:
+    for line in open("/proc/self/maps"):
+        if line.rstrip().endswith("[heap]"):
+            start, end = (int(x, 16) for x in line.split()[0].split("-"))
+            return start, end
+    raise AssertionError("no [heap] in /proc/self/maps")
+
+
+def _carved_from_the_heap(*mib: int) -> list[torch.Tensor]:
+    """Tensors of ``mib`` MiB each (32 or more), one after another in the C heap, where a long process's large
+    tensors often land: glibc maps a block of 32 MiB or more on its own only when no free block of the heap
+    can hold it."""
+    raised = torch.empty(20 << 18)  # 20 MiB, mapped: freeing it raises glibc's mmap threshold to 20 MiB
+    del raised
+    freed = [torch.empty(1 << 18) for _ in range(sum(mib) + 20)]  # 1 MiB each, now from the heap
+    above = torch.empty(1 << 18)  # keeps the freed ones from being given back to the system
+    del freed
+    carved = [torch.ones(n << 18) for n in mib]
+    start, end = _heap_range()
+    assert all(start <= t.data_ptr() < end and t.data_ptr() % PAGE != 0 for t in carved)  # mid-page, in the heap
+    carved.append(above)
+    return carved
+
+
+def test_a_large_tensor_the_heap_carved_out_of_freed_memory_is_never_locked_for_its_pages_hold_others_too():
+    large, above = _carved_from_the_heap(40)
+    assert not lockable(large) and page_runs([large, above]) == []
+    assert not lockable(torch.empty(40 << 18))  # mapped on its own or not, the C allocator's is never locked
 
 
 def test_nothing_a_copy_cannot_use_is_planned():
@@ -105,6 +121,23 @@ def test_locked_tensors_copy_as_pinned_memory_and_their_heap_neighbours_still_co
 
 @pytest.mark.gpu
 @gpu
+def test_large_heap_neighbours_both_copy_while_a_stages_host_memory_is_ready():
+    """What failed on an H200 in a process's third fit: the module's 50 MiB tensor, carved from the heap, was
+    locked in place with the page its neighbour starts in, and the neighbour's copy to the GPU was refused."""
+    from stagesafe.stages.host import HostBuffers
+
+    first, second, above = _carved_from_the_heap(40, 40)
+    buffers = HostBuffers({"first": first}, {}, lock_on=torch.device("cuda", torch.cuda.current_device())).ready()
+    try:
+        assert not first.is_pinned() and not page_lock._locked
+        for tensor in (first, second, above):
+            assert torch.equal(tensor.to("cuda").cpu(), tensor)
+    finally:
+        buffers.unlock()
+
+
+@pytest.mark.gpu
+@gpu
 def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_freed():
     from stagesafe.stages.host import HostBuffers
 
@@ -115,7 +148,7 @@ def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_free
     del ours, run  # no unlock: the mapping's release unlocks it before the pages go
     gc.collect()
     assert start not in page_lock._locked and start not in page_lock._own
-    large = torch.zeros(MAPPED_ON_ITS_OWN // 4)
+    large = empty((8 << 20,), torch.float32).zero_()
     buffers = HostBuffers({"large": large}, {"fresh": (torch.Size([1000]), torch.float32)},
                           lock_on=torch.device("cuda", torch.cuda.current_device())).ready()
     assert large.is_pinned() and buffers.fresh["fresh"].is_pinned()
@@ -123,7 +156,7 @@ def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_free
     gc.collect()
     assert not large.is_pinned() and not page_lock._locked
     for _ in range(3):  # memory mapped again where those pages were copies as pageable memory
-        fresh = [torch.randn(n) for n in (MAPPED_ON_ITS_OWN // 4, 1 << 20, 100)]
+        fresh = [torch.randn(n) for n in (8 << 20, 1 << 20, 100)]
         assert all(torch.equal(t.to("cuda").cpu(), t) for t in fresh)
 
 

@@ -89,16 +89,18 @@ class EndMemory:
         """Start making host memory ready for a training stage's weights: the module's own fp32 CPU tensors
         (which the boundary keeps alive anyway) take the masters in place, new ones are made for parameters
         zero.Init ``built`` (whose module tensors are empty placeholders) and, on a GPU, for those that cannot be
-        page-locked in place (:func:`~stagesafe.stages.page_lock.lockable`), and this rank gets private buffers
-        for the shards it writes in the background, which later changes to the module cannot reach."""
+        page-locked in place (:func:`~stagesafe.stages.page_lock.lockable`: all but stagesafe's own), and this
+        rank gets private buffers for the shards it writes in the background, which later changes to the module
+        cannot reach."""
         specs, aliases = end_specs(module, tensors, original=original, built=built)
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}  # tied: first name only
         fp32 = {n for n in trainable if original[n][0] == torch.float32}
         sixteen = {n for n in trainable if original[n][0] in _SIXTEEN_BITS}
         into = {n: tensors[n] for n in fp32 - built if tensors[n].device.type == "cpu"
                 and tensors[n].dtype == torch.float32}
-        # a tensor whose pages hold other allocations too cannot be page-locked: one with pages of its own,
-        # made here, replaces it (at most the module's tensors under 32 MiB are held twice during the stage)
+        # a tensor of the C allocator may share its pages with other allocations and is never page-locked: one
+        # with pages of its own, made here, replaces it. So the module's first training stage on a GPU holds
+        # these weights twice; the module then has stagesafe's own pages, locked in place by later stages
         apart = {n for n, t in into.items() if not page_lock.lockable(t)} if self._lock_on is not None else set()
         into = {n: t for n, t in into.items() if n not in apart}
         new = {n: (torch.Size(specs[n]["shape"]), torch.float32) for n in (fp32 & built) | sixteen | apart}

@@ -4,14 +4,13 @@ CUDA copies into page-locked memory at the bus's speed and into pageable memory 
 54 against 10 GB/s). ``cudaHostRegister`` locks whole pages, and CUDA refuses a copy whose host bytes are partly
 locked and partly not ("invalid argument", ``cudaErrorInvalidValue``). So a page that also holds bytes of
 another allocation must never be locked: that allocation's copies to or from any GPU would fail, whoever makes
-them. A tensor is locked by its storage's pages, and only when those pages are the storage's own:
+them. So only storages allocated here (:func:`empty`, an anonymous mapping of their own, whatever their size) are
+ever locked. Storages of the C allocator stay pageable whatever their size: glibc maps a block of 32 MiB or more
+on its own only when no free block of the heap can hold it, and in a long process one often can (a 40 MiB
+tensor carved out of freed heap memory shares its first and last pages with its neighbours).
 
-- storages allocated here (:func:`empty`): an anonymous mapping of their own, whatever their size;
-- storages of at least 32 MiB, which the C allocator maps on their own (glibc's largest mmap threshold), unless
-  the process's environment tells glibc otherwise.
-
-Smaller storages of the C heap stay pageable. Each storage is locked once per process (a registry): a storage
-locked elsewhere is wholly locked already, so its copies are right.
+Each storage is locked once per process (a registry): a storage locked elsewhere is wholly locked already, so
+its copies are right.
 """
 
 from __future__ import annotations
@@ -33,7 +32,6 @@ __all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "locked_r
 
 PAGE = mmap.PAGESIZE
 LOCKED_ELSEWHERE = "already page-locked by this process"
-MAPPED_ON_ITS_OWN = 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit: no larger block comes from the heap
 _REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
 
 log = logging.getLogger(__name__)
@@ -92,23 +90,15 @@ def _release(start: int, length: int) -> None:
 
 
 def _own_pages(ptr: int, nbytes: int) -> bool:
-    """Whether a storage's pages hold its bytes alone."""
+    """Whether a storage's pages hold its bytes alone: those of a mapping made by :func:`empty`."""
     with _registry_lock:
         end = _own.get(ptr)  # a storage of empty() starts where its mapping does
-        if end is not None and ptr + nbytes <= end:
-            return True
-    return nbytes >= MAPPED_ON_ITS_OWN and _heap_maps_large_blocks_apart()
-
-
-def _heap_maps_large_blocks_apart() -> bool:
-    """False where the environment changes glibc's mmap threshold or turns mmap off: a large block may then
-    share its pages with others."""
-    return not any(os.environ.get(name) for name in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_MMAP_MAX_"))
+        return end is not None and ptr + nbytes <= end
 
 
 def lockable(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s storage can be page-locked: on the CPU, not pinned already, not empty, and in pages
-    that hold nothing else."""
+    of its own (made by :func:`empty`)."""
     if tensor.device.type != "cpu" or tensor.is_pinned():
         return False
     storage = tensor.untyped_storage()
