@@ -270,7 +270,12 @@ def test_checkpoint_files_are_those_deepspeed_saves_copied_off_the_engine(build,
     model = _net()
     engine = build(model)
     _step(engine)  # AdamW makes its moments
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    statuses = [p.ds_status for p in model.parameters()]
+    assert ZeroParamStatus.AVAILABLE in statuses  # small ones stay gathered between steps: written as placeholders
     files = zero_engine.checkpoint_files(engine, exclude_frozen=False)
+    assert [p.ds_status for p in model.parameters()] == statuses  # the engine left as it was: nothing partitioned
     on_device = zero_engine.checkpoint_device_specs(engine, exclude_frozen=False)
     assert (on_device == []) == (engine.device.type == "cpu")  # on the CPU: nothing to prepare host memory for
     engine.save_checkpoint(str(tmp_path), tag="saved")

@@ -82,7 +82,7 @@ def checkpoint_device_specs(engine: Any, *, exclude_frozen: bool) -> list[tuple[
             if tensor.device.type == "cuda":
                 specs.append((tensor.shape, tensor.dtype))
 
-    return specs if _checkpoint_states(engine, exclude_frozen, note, settle=False) is not None else None
+    return specs if _checkpoint_states(engine, exclude_frozen, note) is not None else None
 
 
 # Optimizers whose state per parameter is known before their first step: tensors of the parameter's shape and dtype.
@@ -102,10 +102,10 @@ def foreseen_state_specs(engine: Any) -> list[tuple[torch.Size, torch.dtype]]:
 
 
 def _checkpoint_states(
-    engine: Any, exclude_frozen: bool, keep: Callable[[dict[str, Any]], Any], *, settle: bool = True
+    engine: Any, exclude_frozen: bool, keep: Callable[[dict[str, Any]], Any]
 ) -> dict[str, Any] | None:
-    """File name -> ``keep(state)`` for each file DeepSpeed's checkpoint would write for this rank now.
-    ``settle``: first release the ZeRO-3 parameters a step left gathered (not while training goes on)."""
+    """File name -> ``keep(state)`` for each file DeepSpeed's checkpoint would write for this rank now; the
+    engine is left as it was."""
     if engine.optimizer is None or engine.has_moe_layers or engine.zero_nvme_offload_optimizer():
         return None
     import os
@@ -121,11 +121,8 @@ def _checkpoint_states(
         def makedirs(self, *args: Any, **kwargs: Any) -> None:
             pass
 
-    if settle and hasattr(engine.optimizer, "empty_partition_cache"):
-        # ZeRO-3 parameters the last step left gathered (prefetched for a next forward) are written as the
-        # placeholders they are between steps, as a save during the stage writes them, not as full tensors
-        engine.optimizer.empty_partition_cache()
     writer, engine.checkpoint_engine = engine.checkpoint_engine, _Keep()
+    engine.module_state_dict = _with_placeholders(engine)  # shadows the method for this save only
     try:
         engine._save_checkpoint("", "", client_state={}, exclude_frozen_parameters=exclude_frozen)
         if engine.save_zero_checkpoint:
@@ -134,7 +131,29 @@ def _checkpoint_states(
             engine.checkpoint_engine.save(state, engine._get_zero_ckpt_name("", ""))
     finally:
         engine.checkpoint_engine = writer
+        del engine.module_state_dict
     return files
+
+
+def _with_placeholders(engine: Any) -> Callable[..., dict[str, Any]]:
+    """The engine's ``module_state_dict``, where a ZeRO-3 parameter left gathered (a persistent one, or one
+    prefetched for a next forward) is the empty placeholder it is between steps. DeepSpeed's
+    ``save_checkpoint`` writes that after partitioning every parameter and gathering the persistent ones again:
+    some hundred device operations, which the end of a stage would wait for."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    own = type(engine).module_state_dict.__get__(engine)
+
+    def module_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        state = own(*args, **kwargs)
+        params = dict(engine.module.named_parameters(remove_duplicate=False))
+        for name in list(state):
+            param = params.get(name)
+            if getattr(param, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE:
+                state[name] = torch.empty(0, dtype=param.dtype, device=param.device)
+        return state
+
+    return module_state_dict
 
 
 def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
