@@ -5,6 +5,7 @@ tensor, its neighbours on the C heap included, still copies (CUDA refuses a copy
 from __future__ import annotations
 
 import gc
+import json
 import os
 import subprocess
 import sys
@@ -48,33 +49,20 @@ def test_small_tensors_of_the_c_heap_are_never_locked_for_their_pages_hold_other
     assert not any(lockable(t) for t in neighbours) and page_runs(neighbours) == []
 
 
-def _heap_range() -> tuple[int, int]:
-    for line in open("/proc/self/maps"):
-        if line.rstrip().endswith("[heap]"):
-            start, end = (int(x, 16) for x in line.split()[0].split("-"))
-            return start, end
-    raise AssertionError("no [heap] in /proc/self/maps")
-
-
-def _carved_from_the_heap(*mib: int) -> list[torch.Tensor]:
-    """Tensors of ``mib`` MiB each (32 or more), one after another in the C heap, where a long process's large
-    tensors often land: glibc maps a block of 32 MiB or more on its own only when no free block of the heap
-    can hold it."""
-    raised = torch.empty(20 << 18)  # 20 MiB, mapped: freeing it raises glibc's mmap threshold to 20 MiB
-    del raised
-    freed = [torch.empty(1 << 18) for _ in range(sum(mib) + 20)]  # 1 MiB each, now from the heap
-    above = torch.empty(1 << 18)  # keeps the freed ones from being given back to the system
-    del freed
-    carved = [torch.ones(n << 18) for n in mib]
-    start, end = _heap_range()
-    assert all(start <= t.data_ptr() < end and t.data_ptr() % PAGE != 0 for t in carved)  # mid-page, in the heap
-    carved.append(above)
-    return carved
+def _carved(mode: str) -> dict:
+    """tests/scripts/heap_carved.py in a fresh process (a heap no other test has shaped), its JSON line."""
+    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "heap_carved.py"), mode],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def test_a_large_tensor_the_heap_carved_out_of_freed_memory_is_never_locked_for_its_pages_hold_others_too():
-    large, above = _carved_from_the_heap(40)
-    assert not lockable(large) and page_runs([large, above]) == []
+    """glibc maps a block of 32 MiB or more on its own only when no free block of the heap can hold it. In a
+    long process one often can: such a tensor then shares its first and last pages with its neighbours."""
+    seen = _carved("lockable")
+    assert seen["in_heap"] and seen["mid_page"]  # two 40 MiB tensors, one after the other in the C heap
+    assert seen["lockable"] == [False, False] and seen["runs"] == 0
     assert not lockable(torch.empty(40 << 18))  # mapped on its own or not, the C allocator's is never locked
 
 
@@ -122,18 +110,11 @@ def test_locked_tensors_copy_as_pinned_memory_and_their_heap_neighbours_still_co
 @pytest.mark.gpu
 @gpu
 def test_large_heap_neighbours_both_copy_while_a_stages_host_memory_is_ready():
-    """What failed on an H200 in a process's third fit: the module's 50 MiB tensor, carved from the heap, was
+    """What failed on an H200 in a process's third fit: the module's 50 MB tensor, carved from the heap, was
     locked in place with the page its neighbour starts in, and the neighbour's copy to the GPU was refused."""
-    from stagesafe.stages.host import HostBuffers
-
-    first, second, above = _carved_from_the_heap(40, 40)
-    buffers = HostBuffers({"first": first}, {}, lock_on=torch.device("cuda", torch.cuda.current_device())).ready()
-    try:
-        assert not first.is_pinned() and not page_lock._locked
-        for tensor in (first, second, above):
-            assert torch.equal(tensor.to("cuda").cpu(), tensor)
-    finally:
-        buffers.unlock()
+    seen = _carved("copy")
+    assert seen["in_heap"] and seen["mid_page"]
+    assert seen["locked"] == 0 and seen["copies"] == [True, True, True]
 
 
 @pytest.mark.gpu
