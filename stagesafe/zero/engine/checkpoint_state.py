@@ -146,6 +146,8 @@ def _with_placeholders(engine: Any) -> Callable[..., dict[str, Any]]:
 
     def module_state_dict(*args: Any, **kwargs: Any) -> dict[str, Any]:
         state = own(*args, **kwargs)
+        if state is None:  # an engine that writes its module elsewhere (pipeline parallelism)
+            return state
         params = dict(engine.module.named_parameters(remove_duplicate=False))
         for name in list(state):
             param = params.get(name)
