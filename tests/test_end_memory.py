@@ -3,8 +3,14 @@ on a GPU, where what cannot be page-locked in place gets memory of its own."""
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+from _launch import sanitized_env
 from torch import nn
 
 from stagesafe.stages.end_memory import EndMemory, end_specs
@@ -99,3 +105,31 @@ def test_on_a_gpu_the_c_allocators_tensors_get_host_memory_of_their_own_stagesaf
         assert all(torch.equal(t.to("cuda").cpu(), t) for t in tensors.values())  # the module's own still copy
     finally:
         weights.unlock()
+
+
+_GPU = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=[pytest.mark.gpu, _GPU])])
+def test_where_the_modules_weights_live_after_each_fit(accelerator, tmp_path):
+    """On the CPU the module keeps its own tensors. On a GPU, its first fit gives it stagesafe's own pages
+    (its C-allocator tensors cannot be page-locked), unlocked once the call is over; the next fit writes into
+    them in place. Either way the module equals the handoff bitwise after each fit."""
+    env = sanitized_env()
+    if accelerator == "gpu":
+        del env["DS_ACCELERATOR"]  # DeepSpeed picks the GPU
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "host_pages.py")
+    done = subprocess.run([sys.executable, script, accelerator, str(tmp_path)], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    before, first, second = seen["before"], seen["first"], seen["second"]
+    assert len(before["names"]) == 7 and before["own_pages"] == [] and before["pinned"] == []
+    assert first["equals_handoff"] and second["equals_handoff"]
+    assert first["pinned"] == second["pinned"] == []  # nothing of the module stays page-locked
+    assert second["addresses"] == first["addresses"]  # the second fit wrote into the first one's tensors
+    if accelerator == "cpu":
+        assert first["own_pages"] == [] and first["addresses"] == before["addresses"]
+    else:
+        assert first["own_pages"] == first["names"] == second["own_pages"]
