@@ -99,8 +99,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def sanitized_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The current environment without rendezvous variables, with CPU DeepSpeed and one OpenMP thread."""
+def sanitized_env(extra: Mapping[str, str | None] | None = None) -> dict[str, str]:
+    """The current environment without rendezvous variables, with CPU DeepSpeed and one OpenMP thread;
+    ``extra`` on top (a None value unsets: ``{"DS_ACCELERATOR": None}`` lets DeepSpeed pick a GPU)."""
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
     env["DS_ACCELERATOR"] = "cpu"
     env["OMP_NUM_THREADS"] = "1"
@@ -109,8 +110,11 @@ def sanitized_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
     # The child must import the package under test from this checkout, even when it is not installed.
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, env.get("PYTHONPATH", "")) if p)
-    if extra:
-        env.update(extra)
+    for name, value in (extra or {}).items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
     return env
 
 
@@ -190,7 +194,7 @@ def run_script(
     args: Sequence[str] = (),
     *,
     timeout: float = 120.0,
-    env: Mapping[str, str] | None = None,
+    env: Mapping[str, str | None] | None = None,
     cwd: str | None = None,
 ) -> ProcessResult:
     """Run ``python script args`` once (a script that spawns its own ranks, as Lightning does), sanitized env.

@@ -5,12 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
-from _launch import sanitized_env
+from _launch import run_script
 from torch import nn
 
 from stagesafe.stages.end_memory import EndMemory, end_specs
@@ -116,13 +114,9 @@ def test_where_the_modules_weights_live_after_each_fit(accelerator, tmp_path):
     """On the CPU the module keeps its own tensors. On a GPU, its first fit gives it stagesafe's own pages
     (its C-allocator tensors cannot be page-locked), unlocked once the call is over; the next fit writes into
     them in place. Either way the module equals the handoff bitwise after each fit."""
-    env = sanitized_env()
-    if accelerator == "gpu":
-        del env["DS_ACCELERATOR"]  # DeepSpeed picks the GPU
     script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts", "host_pages.py")
-    done = subprocess.run([sys.executable, script, accelerator, str(tmp_path)], env=env, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
+    gpu = {"DS_ACCELERATOR": None} if accelerator == "gpu" else None  # DeepSpeed picks the GPU
+    done = run_script(script, [accelerator, str(tmp_path)], timeout=300, env=gpu)
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     before, first, second = seen["before"], seen["first"], seen["second"]
     assert len(before["names"]) == 7 and before["own_pages"] == [] and before["pinned"] == []

@@ -1,6 +1,7 @@
 """Page-locking host tensors in place (stagesafe/stages/page_lock.py): only storages in pages of their own
-(stagesafe's own mappings) are ever locked, each once per process; on a GPU, locked tensors copy as pinned memory and every other host
-tensor, its neighbours on the C heap included, still copies (CUDA refuses a copy whose bytes are partly locked)."""
+(stagesafe's own mappings) are ever locked, each once per process; on a GPU, locked tensors copy as pinned memory
+and every other host tensor, its neighbours on the C heap included, still copies (CUDA refuses a copy whose bytes
+are partly locked)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from _launch import run_script
 
 from stagesafe.stages import page_lock
 from stagesafe.stages.page_lock import PAGE, empty, lockable, page_runs
@@ -51,9 +53,7 @@ def test_small_tensors_of_the_c_heap_are_never_locked_for_their_pages_hold_other
 
 def _carved(mode: str) -> dict:
     """tests/scripts/heap_carved.py in a fresh process (a heap no other test has shaped), its JSON line."""
-    done = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "scripts", "heap_carved.py"), mode],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
+    done = run_script(os.path.join(ROOT, "tests", "scripts", "heap_carved.py"), [mode], env={"DS_ACCELERATOR": None})
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 

@@ -106,15 +106,15 @@ def lockable(tensor: torch.Tensor) -> bool:
 
 
 def page_runs(tensors: Iterable[torch.Tensor]) -> list[PageRun]:
-    """The storages of the :func:`lockable` ``tensors``, each as one run of whole pages, in address order."""
+    """The storages of the :func:`lockable` ``tensors``, each as one run: its mapping's pages, in address order."""
     runs: dict[int, PageRun] = {}
     for tensor in tensors:
         ptr = tensor.untyped_storage().data_ptr()
         if ptr in runs and tensor.device.type == "cpu":
             runs[ptr].tensors.append(tensor)
         elif lockable(tensor):
-            end = ptr + tensor.untyped_storage().nbytes()
-            runs[ptr] = PageRun(ptr - ptr % PAGE, -(-end // PAGE) * PAGE, [tensor])
+            with _registry_lock:
+                runs[ptr] = PageRun(ptr, _own[ptr], [tensor])  # a lockable storage starts its mapping
     return [runs[ptr] for ptr in sorted(runs)]
 
 

@@ -19,18 +19,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 import stagesafe  # noqa: E402
 from stagesafe.stages import page_lock  # noqa: E402
-from toy import ToyModule, dataloader  # noqa: E402
+from toy import ToyModule, dataloader, quiet_trainer  # noqa: E402
 
 
 def fit(module: pl.LightningModule, accelerator: str, root: str) -> None:
-    strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3, handoff_uri=os.path.join(root, "handoff"))
-    trainer = pl.Trainer(
-        accelerator=accelerator, devices=1, strategy=strategy, precision="bf16-mixed", max_steps=2, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=root,
-    )
+    trainer = quiet_trainer(root, "fits", devices=1, max_steps=2, accelerator=accelerator)
     trainer.fit(module, dataloader())
-    strategy.wait_for_handoff()
+    trainer.strategy.wait_for_handoff()
 
 
 def where(module: pl.LightningModule, root: str | None) -> dict:
@@ -42,7 +37,7 @@ def where(module: pl.LightningModule, root: str | None) -> dict:
         "names": sorted(params),
     }
     if root is not None:
-        handoff = stagesafe.load_state_dict(os.path.join(root, "handoff"))
+        handoff = stagesafe.load_state_dict(os.path.join(root, "fits", "handoff"))
         state = module.state_dict()
         seen["equals_handoff"] = set(state) == set(handoff) and all(
             torch.equal(state[k].view(torch.uint8), handoff[k].view(torch.uint8)) for k in state

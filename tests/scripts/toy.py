@@ -134,14 +134,16 @@ def probe(module: nn.Module) -> dict:
     }
 
 
-def quiet_trainer(root: str, name: str, *, devices: int, max_steps: int = -1, **strategy_kwargs) -> pl.Trainer:
-    """A one-epoch bf16 Trainer under StageSafeDeepSpeedStrategy (ZeRO-3) on CPU processes, with nothing
-    printed or saved but the handoff (``<root>/<name>/handoff`` unless ``handoff_uri`` is given)."""
+def quiet_trainer(
+    root: str, name: str, *, devices: int, max_steps: int = -1, accelerator: str = "cpu", **strategy_kwargs
+) -> pl.Trainer:
+    """A one-epoch bf16 Trainer under StageSafeDeepSpeedStrategy (ZeRO-3) on CPU processes (or ``accelerator``),
+    with nothing printed or saved but the handoff (``<root>/<name>/handoff`` unless ``handoff_uri`` is given)."""
     from stagesafe import StageSafeDeepSpeedStrategy
 
     strategy_kwargs.setdefault("handoff_uri", f"{root}/{name}/handoff")
     return pl.Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=devices,
         strategy=StageSafeDeepSpeedStrategy(stage=3, **strategy_kwargs),
         precision="bf16-mixed",
