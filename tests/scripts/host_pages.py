@@ -31,8 +31,8 @@ def fit(module: pl.LightningModule, accelerator: str, root: str) -> None:
 def where(module: pl.LightningModule, root: str | None) -> dict:
     params = {n: p for n, p in module.named_parameters() if p.requires_grad and p.dtype == torch.float32}
     seen = {
-        "own_pages": [n for n, p in params.items() if page_lock.lockable(p)],
-        "pinned": [n for n, p in params.items() if p.is_pinned()],
+        "own_pages": sorted(n for n, p in params.items() if page_lock.lockable(p)),
+        "pinned": sorted(n for n, p in params.items() if p.is_pinned()),
         "addresses": {n: p.data_ptr() for n, p in params.items()},
         "names": sorted(params),
     }
