@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))
 sys.path.insert(0, HERE)
 import stagesafe  # noqa: E402
 from stagesafe.stages import page_lock  # noqa: E402
-from toy import ToyModule, dataloader, quiet_trainer  # noqa: E402
+from toy import ToyModule, dataloader, quiet_trainer, state_digest, state_digest_of  # noqa: E402
 
 
 def fit(module: pl.LightningModule, accelerator: str, root: str) -> None:
@@ -38,10 +38,7 @@ def where(module: pl.LightningModule, root: str | None) -> dict:
     }
     if root is not None:
         handoff = stagesafe.load_state_dict(os.path.join(root, "fits", "handoff"))
-        state = module.state_dict()
-        seen["equals_handoff"] = set(state) == set(handoff) and all(
-            torch.equal(state[k].view(torch.uint8), handoff[k].view(torch.uint8)) for k in state
-        )
+        seen["equals_handoff"] = state_digest(module) == state_digest_of(handoff)
     return seen
 
 
