@@ -26,6 +26,7 @@ from stagesafe.errors import (
     HandoffExistsError,
     HandoffNotFoundError,
     HandoffNotReadyError,
+    HostMemoryError,
     InvalidArgumentError,
     StageSafeError,
     StaleDeepSpeedStateError,
@@ -76,6 +77,7 @@ __all__ = [
     "StorageBackendError",
     "DistributedStageError",
     "EngineReleasedError",
+    "HostMemoryError",
     "__version__",
 ]
 

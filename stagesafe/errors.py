@@ -23,6 +23,7 @@ __all__ = [
     "StorageTransferError",
     "DistributedStageError",
     "EngineReleasedError",
+    "HostMemoryError",
     "clip",
     "describe",
     "shown",
@@ -106,6 +107,11 @@ def _distributed_stage_error(message: str, failures: dict[int, str]) -> Distribu
 class EngineReleasedError(StageSafeError, RuntimeError):
     """The DeepSpeed engine was asked for after the Trainer call that built it returned: stagesafe destroys it
     there, and the module, its handoff and ``trainer.save_checkpoint`` hold what it held."""
+
+
+class HostMemoryError(StageSafeError, MemoryError):
+    """A training stage's end would need more host memory than the host can give; raised on every rank before
+    the stage's first step, naming the bytes and the ways out, instead of a kernel's out-of-memory kill later."""
 
 
 def describe(exc: BaseException) -> str:

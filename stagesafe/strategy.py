@@ -43,7 +43,7 @@ from stagesafe.strategy_arguments import (
     checked_url,
     inference_config,
 )
-from stagesafe.stages.between_calls import has_meta_tensors, kept_training, weights_between_calls
+from stagesafe.stages.between_calls import has_meta_tensors, kept_files, kept_training, weights_between_calls
 from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.writer import HandoffWriter
@@ -90,8 +90,13 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         keep_optimizer_state: ``True`` (default): at the end of ``fit`` each rank keeps its partition of the
             optimizer state (moments, step counts, loss scaler) and the lr schedulers' states in host memory,
             so that ``trainer.save_checkpoint(path)`` between calls writes what DeepSpeed writes during a stage
-            and ``fit(ckpt_path=path)`` continues exactly. ``False`` saves that host memory; such a checkpoint
-            then holds weights only, and ``save_checkpoint`` warns.
+            and ``fit(ckpt_path=path)`` continues exactly (8 bytes per parameter over the ranks with AdamW: its
+            fp32 masters are the module's own values). The next ``fit`` lets it go as it starts. ``False`` saves
+            that host memory; such a checkpoint then holds weights only, and ``save_checkpoint`` warns.
+        check_host_memory: ``True`` (default): before the first step of ``fit`` every rank asks its host for
+            the memory the end of the stage adds (the ranks of a host together, within ``MemAvailable`` and any
+            cgroup limit), and on a shortfall every rank raises :class:`~stagesafe.HostMemoryError` naming the
+            bytes and the ways out, instead of being killed by the kernel later. ``False`` skips the check.
     """
 
     strategy_name = "stagesafe_deepspeed"
@@ -106,6 +111,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         between_stages: str = "cpu",
         wait_for_write: bool = False,
         keep_optimizer_state: bool = True,
+        check_host_memory: bool = True,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
@@ -128,6 +134,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self.between_stages = between_stages
         self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
         self.keep_optimizer_state = checked_bool("keep_optimizer_state", keep_optimizer_state)
+        self.check_host_memory = checked_bool("check_host_memory", check_host_memory)
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None
@@ -202,6 +209,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             fresh=frozenset(self._fresh),
             keep_optimizer_state=self.keep_optimizer_state,
             exclude_frozen=self.exclude_frozen_parameters,
+            check_host_memory=self.check_host_memory,
         )
 
     def _writer_for(self, target: HandoffTarget) -> HandoffWriter:
@@ -418,7 +426,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             assert kept.checkpoint is not None
             client["lr_schedulers"] = kept.lr_schedulers
             write_engine_checkpoint(
-                os.fspath(filepath), kept.checkpoint, client_state=client, latest=self.is_global_zero
+                os.fspath(filepath), kept_files(kept, module), client_state=client, latest=self.is_global_zero
             )
             self.barrier("stagesafe: checkpoint written")
             return

@@ -49,6 +49,8 @@ SMALLEST = {
     "bench_boundary.py": ["--layers", "1", "--width", "256", "--root", "{tmp}"],
     "bench_leave_fit.py": ["--layers", "1", "--width", "128", "--vocab", "500", "--root", "{tmp}"],
     "bench_meta_rss.py": ["--width", "256", "--layers", "2", "--root", "{tmp}"],
+    "bench_host_memory.py": ["--model", "mlp", "--width", "64", "--layers", "2", "--steps", "1", "--sequence", "fit",
+                             "test", "--root", "{tmp}"],
     "bench_consolidate.py": ["--hidden", "128", "--layers", "2", "--repeat", "1", "--workdir", "{tmp}"],
     "bench_load.py": ["--gb", "0.01", "--shard", "5MB", "--repeat", "1", "--root", "{tmp}"],
     "bench_write_digest.py": ["--gb", "0.01", "--rounds", "1", "--root", "{tmp}"],

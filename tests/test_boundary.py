@@ -305,9 +305,10 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
 @pytest.mark.slow
 def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers_device_thread(one_rank, tmp_path):
     """The call does not wait for the kept optimizer state's host memory nor its copy: the writer's device
-    thread copies it after the engine is gone, and it is then DeepSpeed's checkpoint as it was, in host memory
-    of its own."""
-    from stagesafe.zero.engine import _tensors_in, checkpoint_files
+    thread copies it after the engine is gone, and it is then DeepSpeed's checkpoint as it was. Its fp32 master
+    partitions are kept as recipes, built again from the module's values; on the CPU its moments are the engine's
+    own tensors, which nothing writes once it is gone: not held twice."""
+    from stagesafe.zero.engine import PartitionRecipe, _tensors_in, built_partitions, checkpoint_files
 
     module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     writer, uri = _writer(), str(tmp_path / "h")
@@ -315,7 +316,7 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
     boundary.enter()
     engine = _engine(module)
     boundary.engine_built(engine, training=True)
-    expected = checkpoint_files(engine, exclude_frozen=False)  # copied now, before the end
+    expected = checkpoint_files(engine, exclude_frozen=False)  # the fp32 partitions as tensors
     engine_memory = {t.data_ptr() for t in _tensors_in(engine.optimizer.state_dict())}
     report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=True)
     writer.join()
@@ -323,9 +324,24 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
     assert 0 <= report.phases["consolidate_device_wait"] <= report.phases["consolidate"]  # a part of it
     kept = history_of(module).kept
     assert kept is not None and kept.missing == "" and sorted(kept.checkpoint) == sorted(expected)
+    recipes = [r for state in kept.checkpoint.values() for r in _recipes_in(state)]
+    assert recipes and all(isinstance(r, PartitionRecipe) for r in recipes)
+    built = built_partitions(kept.checkpoint, {n: t.detach() for n, t in module.state_dict().items()})
     for name, state in expected.items():
-        got, want = list(_tensors_in(kept.checkpoint[name])), list(_tensors_in(state))
+        got, want = list(_tensors_in(built[name])), list(_tensors_in(state))
         assert len(got) == len(want) > 0
         for a, b in zip(got, want):
             assert_bitwise_equal({"t": a}, {"t": b})
-            assert a.device.type == "cpu" and a.data_ptr() not in engine_memory  # a copy, not the engine's
+        held = [t for t in _tensors_in(kept.checkpoint[name]) if t.numel() > 1]
+        assert all(t.device.type == "cpu" and t.data_ptr() in engine_memory for t in held)  # the engine's own
+
+
+def _recipes_in(state):
+    if isinstance(state, dict):
+        for value in state.values():
+            yield from _recipes_in(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from _recipes_in(value)
+    elif not isinstance(state, torch.Tensor) and hasattr(state, "build"):
+        yield state

@@ -206,18 +206,24 @@ def test_gathered_values_are_the_weights_bitwise_and_only_trained_parameters_hav
 def test_masters_gathered_in_buckets_go_into_the_host_tensors_given_and_a_private_copy(build):
     model = _net()
     expected = _state(model)
-    build(model)
+    engine = build(model)
     into = {name: torch.empty_like(expected[name]) for name in TRAINED}
-    also_into = {name: torch.empty_like(expected[name]) for name in TRAINED}
-    gathered = zero_engine.GatheredValues(model, lambda name, tensor: tensor, into=into, also_into=also_into)
+    private_into = {name: torch.empty_like(expected[name]) for name in TRAINED}
+    mine = set(TRAINED[:3])  # the shards this rank writes
+    gathered = zero_engine.GatheredValues(model, lambda name, tensor: tensor, into=into, keep_for=mine)
     gathered.gather_masters(TRAINED)
     values = {name: gathered[name] for name in sorted(gathered)}
     gathered.synchronize()
     assert all(values[name] is into[name] for name in TRAINED)
     assert_bitwise_equal(values, expected)
-    gathered.fill_copies()
-    assert gathered.copied.keys() == set(TRAINED)
-    assert_bitwise_equal({n: also_into[n] for n in TRAINED}, {n: expected[n] for n in TRAINED})
+    copies = gathered.private_copies(private_into)
+    assert copies.keys() == mine and gathered.kept == {}
+    assert_bitwise_equal(dict(sorted(copies.items())), {n: expected[n] for n in sorted(mine)})
+    assert not {c.data_ptr() for c in copies.values()} & {t.data_ptr() for t in [*into.values(), *values.values()]}
+    if engine.device.type == "cuda":  # copied into the host memory given
+        assert all(copies[n] is private_into[n] for n in mine)
+    else:  # on the CPU the gathered masters are copies of their own already: no second one
+        assert not any(copies[n].data_ptr() == private_into[n].data_ptr() for n in mine)
 
 
 def _other_values() -> dict[str, torch.Tensor]:
@@ -274,20 +280,31 @@ def test_checkpoint_files_are_those_deepspeed_saves_copied_off_the_engine(build,
 
     statuses = [p.ds_status for p in model.parameters()]
     assert ZeroParamStatus.AVAILABLE in statuses  # small ones stay gathered between steps: written as placeholders
-    files = zero_engine.checkpoint_files(engine, exclude_frozen=False)
+    names = {id(p): n for n, p in model.named_parameters()}
+    files = zero_engine.checkpoint_files(engine, exclude_frozen=False, names=names)
     assert [p.ds_status for p in model.parameters()] == statuses  # the engine left as it was: nothing partitioned
-    on_device = zero_engine.checkpoint_device_specs(engine, exclude_frozen=False)
+    on_device = zero_engine.checkpoint_device_specs(engine, exclude_frozen=False, names=names)
     assert (on_device == []) == (engine.device.type == "cpu")  # on the CPU: nothing to prepare host memory for
     engine.save_checkpoint(str(tmp_path), tag="saved")
     assert sorted(files) == sorted(os.listdir(tmp_path / "saved"))
+    (optim,) = [name for name in files if "optim_states" in name]
+    recipes = files[optim]["optimizer_state_dict"]["fp32_flat_groups"]
+    assert recipes and all(isinstance(r, zero_engine.PartitionRecipe) for r in recipes)  # kept as recipes
+    masters = {n: deepspeed.utils.safe_get_full_fp32_param(p).detach().cpu() for n, p in model.named_parameters()
+               if p.requires_grad}  # what the module holds after a stage's end
+    built = zero_engine.built_partitions(files, masters)
     engine_tensors = {t.data_ptr() for t in zero_engine._tensors_in(engine.optimizer.state_dict())}
-    for name, kept in files.items():
+    for name, kept in built.items():
         saved = torch.load(tmp_path / "saved" / name, map_location="cpu", weights_only=False)
         assert sorted(saved) == sorted(kept), name
         ours, theirs = list(zero_engine._tensors_in(kept)), list(zero_engine._tensors_in(saved))
         assert len(ours) == len(theirs) > 0, name
         assert_bitwise_equal(dict(enumerate(ours)), dict(enumerate(theirs)))
-        assert not {t.data_ptr() for t in ours} & engine_tensors, name  # copies of their own
+        held = {t.data_ptr() for t in zero_engine._tensors_in(files[name])}
+        if engine.device.type == "cuda":
+            assert not held & engine_tensors, name  # copies of their own, off the device
+        elif name == optim:  # on the CPU the engine's own moments, which nothing writes once it is gone
+            assert held and held <= engine_tensors, name
 
 
 def test_host_copies_are_private_and_keep_the_containers():

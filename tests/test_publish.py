@@ -11,19 +11,19 @@ import stagesafe
 from _tensors import assert_bitwise_equal
 from stagesafe.stages.boundary import BoundaryReport
 from stagesafe.stages.channel import JobChannel
-from stagesafe.stages.end_memory import EndMemory
 from stagesafe.stages.history import HandoffTarget, new_history, state_tensors
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
+from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.writer import HandoffWriter
 
 
 def _publisher(module: nn.Module, uri: str) -> tuple[HandoffPublisher, HandoffWriter, BoundaryReport]:
     writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=1, prefix="p", timeout=30.0), writers=1,
                            timeout=30.0)
-    memory = EndMemory(device=None, max_shard_size="1GB", writers=1, training=False, keep_optimizer_state=False,
-                       exclude_frozen=False, stage="fit")
+    end = StageEnd(device=None, max_shard_size="1GB", writers=1, training=False, keep_optimizer_state=False,
+                   exclude_frozen=False, stage="fit")
     report = BoundaryReport(stage="fit", uri=uri)
-    return HandoffPublisher(module, HandoffTarget(uri=uri), writer, memory, report), writer, report
+    return HandoffPublisher(module, HandoffTarget(uri=uri), writer, end, report), writer, report
 
 
 def _tied() -> nn.Module:
@@ -40,7 +40,7 @@ def test_a_background_write_reads_private_copies_of_what_the_user_could_change(t
     values = {**state_tensors(module), "1.weight": master}
     expected = {n: v.clone() for n, v in values.items()}
     publisher, writer, report = _publisher(module, uri)
-    publisher.start(history, values, state_tensors(module), gathered=None, host=None, background=True)
+    publisher.start(history, values, state_tensors(module), gathered=None, background=True)
     with torch.no_grad():
         for param in module.parameters():
             param.add_(1)  # the user's code, while the write goes on
@@ -56,7 +56,7 @@ def test_tied_names_read_one_private_copy_and_stay_tied_in_the_handoff(tmp_path)
     history.note_names(state_tensors(module))
     expected = {n: v.clone() for n, v in state_tensors(module).items()}
     publisher, writer, report = _publisher(module, uri)
-    publisher.start(history, state_tensors(module), state_tensors(module), gathered=None, host=None, background=True)
+    publisher.start(history, state_tensors(module), state_tensors(module), gathered=None, background=True)
     with torch.no_grad():
         module[0].weight.add_(1)  # changes both names: one tensor
     writer.join()
@@ -70,7 +70,7 @@ def test_a_foreground_write_reads_the_values_as_they_are(tmp_path):
     history = new_history(module)
     history.note_names(state_tensors(module))
     publisher, writer, report = _publisher(module, uri)
-    publisher.start(history, state_tensors(module), state_tensors(module), gathered=None, host=None, background=False)
+    publisher.start(history, state_tensors(module), state_tensors(module), gathered=None, background=False)
     writer.join()
     assert report.copied_while_waiting == 0 and history.holds(HandoffTarget(uri=uri), state_tensors(module))
 

@@ -45,9 +45,10 @@ def test_shards_of_one_size_are_dealt_in_the_plans_order():
 def test_the_writing_ranks_share_the_stored_names_and_the_others_write_none():
     specs = _specs(100, 75, 50, 25, 25) | {"tied": {"dtype": "float32", "shape": [100]}}
     aliases = {"tied": "t0"}  # stored under t0
-    shares = [names_written_by(specs, aliases, max_shard_size=1, rank=r, writers=2) for r in range(3)]
+    plan = plan_specs(specs, aliases, max_shard_size=1)
+    shares = [names_written_by(plan, rank=r, writers=2) for r in range(3)]
     assert shares == [{"t0", "t3", "t4"}, {"t1", "t2"}, set()]
-    assert names_written_by(specs, aliases, max_shard_size=1, rank=0, writers=1) == {"t0", "t1", "t2", "t3", "t4"}
+    assert names_written_by(plan, rank=0, writers=1) == {"t0", "t1", "t2", "t3", "t4"}
 
 
 def _values() -> dict[str, torch.Tensor]:
@@ -76,7 +77,7 @@ def test_each_rank_posts_its_shards_as_data_and_rank_zero_commits_them_all(tmp_p
 
 def _written_by(rank: int) -> set[str]:
     specs = {name: {"dtype": "float32", "shape": list(t.shape)} for name, t in _values().items()}
-    return names_written_by(specs, {}, max_shard_size=1, rank=rank, writers=2)
+    return names_written_by(plan_specs(specs, {}, max_shard_size=1), rank=rank, writers=2)
 
 
 def _values_failing_on(rank: int) -> dict[str, torch.Tensor]:

@@ -154,9 +154,10 @@ def in_process(tmp_path):
         set_accelerator(accelerator)
 
 
-def _one_rank_run(root, optimizer: str = "SGD"):
-    """A one-layer LightningModule (training and test steps), a Trainer of one CPU rank under stagesafe with a
-    foreground write, and data: what the in-process tests run."""
+def _one_rank_run(root, optimizer: str = "SGD", *, configure_model: bool = False):
+    """A one-layer LightningModule (training and test steps; ``configure_model``: a second layer built there,
+    under zero.Init), a Trainer of one CPU rank under stagesafe with a foreground write, and data: what the
+    in-process tests run."""
     import lightning.pytorch as pl
     import torch
     from torch import nn
@@ -166,8 +167,13 @@ def _one_rank_run(root, optimizer: str = "SGD"):
             super().__init__()
             self.layer = nn.Linear(4, 2)
 
+        def configure_model(self) -> None:
+            if configure_model and not hasattr(self, "built"):
+                self.built = nn.Linear(2, 2)
+
         def training_step(self, batch, index):
-            return self.layer(batch[0]).sum()
+            out = self.layer(batch[0])
+            return (self.built(out) if hasattr(self, "built") else out).sum()
 
         def test_step(self, batch, index):
             return self.layer(batch[0]).sum()
@@ -236,10 +242,12 @@ def test_a_fit_whose_host_memory_could_not_be_made_ready_still_ends_with_its_wei
         raise MemoryError("could not map host memory: Cannot allocate memory")
 
     monkeypatch.setattr(page_lock, "empty", no_mapping)  # e.g. vm.max_map_count reached
-    model, strategy, trainer, data = _one_rank_run(in_process)
+    model, strategy, trainer, data = _one_rank_run(in_process, configure_model=True)  # its layer needs new memory
     with caplog.at_level("WARNING", logger="stagesafe"):
         trainer.fit(model, data)
     assert "preparing host memory for the end of the stage failed" in caplog.text
     handoff = stagesafe.load_state_dict(str(in_process / "stagesafe_handoff"))
     assert_bitwise_equal(handoff, {n: t.detach() for n, t in model.state_dict().items()})
     assert model.layer.weight.dtype == torch.float32 and model.layer.weight.numel() == 8
+    assert model.built.weight.numel() == 4 and sorted(handoff) == ["built.bias", "built.weight", "layer.bias",
+                                                                     "layer.weight"]

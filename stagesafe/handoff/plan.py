@@ -9,6 +9,7 @@ tensors of a state dict.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -54,6 +55,17 @@ class HandoffPlan:
     def shard_specs(self, file_name: str) -> dict[str, dict[str, Any]]:
         """``{"dtype", "shape"}`` of each tensor stored in ``file_name``, in the order it is written."""
         return {name: self.tensors[name] for name in self.shards[file_name]}
+
+    def tagged(self, tag: str, *, state_dict: Mapping[str, Any] | None = None) -> HandoffPlan:
+        """The same shards under file names tagged ``tag`` (a plan made before its write's tag was known), the
+        values taken from ``state_dict`` (by default this plan's)."""
+        shards = dict(zip(shard_file_names(len(self.shards), tag=tag), self.shards.values(), strict=True))
+        return dataclasses.replace(
+            self,
+            shards=shards,
+            weight_map={name: file for file, names in shards.items() for name in names},
+            state_dict=self.state_dict if state_dict is None else state_dict,
+        )
 
 
 def plan_specs(

@@ -1,6 +1,6 @@
 """What a module holds between Trainer calls, for a checkpoint written then (no engine is live): the last fit's
-kept engine state where it still belongs to the module's weights, or else the weights alone, read from the
-handoff for a module of meta tensors."""
+kept engine state where it still belongs to the module's weights (its fp32 master partitions built again from
+them), or else the weights alone, read from the handoff for a module of meta tensors."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from torch import nn
 from stagesafe.errors import HandoffNotReadyError, InvalidArgumentError
 from stagesafe.stages.history import KeptTraining, history_of, state_tensors
 from stagesafe.stages.writer import HandoffWriter
+from stagesafe.zero.engine import built_partitions
 
-__all__ = ["kept_training", "weights_between_calls", "has_meta_tensors"]
+__all__ = ["kept_training", "kept_files", "weights_between_calls", "has_meta_tensors"]
 
 
 def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptTraining], str]:
@@ -29,6 +30,15 @@ def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptT
     if kept.world_size != world_size:
         return None, f"it was kept by {kept.world_size} rank(s) and this job has {world_size}"
     return kept, ""
+
+
+def kept_files(kept: KeptTraining, module: nn.Module) -> dict[str, dict[str, Any]]:
+    """The kept checkpoint files as DeepSpeed writes them: the fp32 master partitions kept as recipes are built
+    from the module's values (unchanged since the fit: :func:`kept_training` checked) and the kept fp32 masters
+    of the parameters it holds in 16 bits. Holds this rank's partitions once more while they are written."""
+    assert kept.checkpoint is not None
+    values = {**state_tensors(module), **kept.masters}
+    return built_partitions(kept.checkpoint, values)
 
 
 def weights_between_calls(module: nn.Module, writers: Iterable[HandoffWriter]) -> Optional[Mapping[str, Any]]:

@@ -8,8 +8,8 @@ decides once where the stage's weights come from (:mod:`~stagesafe.stages.weight
 destroys the engine, restores the module to plain tensors in the dtype and device it had before its first
 stage, and publishes: has the handoff (fp32 wherever training had masters) written when it does not hold them
 yet (by the strategy's :class:`~stagesafe.stages.writer.HandoffWriter`, in the background unless asked
-otherwise). Host memory for the end is :mod:`~stagesafe.stages.end_memory`'s; taking weights from the engine
-is :mod:`~stagesafe.stages.engine_weights`'.
+otherwise). The end's plan, host memory and kept state are :mod:`~stagesafe.stages.stage_end`'s; taking
+weights from the engine is :mod:`~stagesafe.stages.engine_weights`'.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from torch import nn
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
 from stagesafe.handoff.read import HandoffReader, check_present
 from stagesafe.stages import collectives
-from stagesafe.stages.end_memory import EndMemory
 from stagesafe.stages.engine_weights import take_from_engine
 from stagesafe.stages.exit_steps import FirstFailure, PhaseClock
 from stagesafe.stages.history import (
@@ -40,8 +39,8 @@ from stagesafe.stages.history import (
     new_history,
     state_tensors,
 )
-from stagesafe.stages.host import HostBuffers
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
+from stagesafe.stages.stage_end import SIXTEEN_BITS, StageEnd
 from stagesafe.stages.weight_source import WeightSource, weight_sources
 from stagesafe.stages.writer import HandoffWriter
 from stagesafe.restore import assign_values, load_for
@@ -83,7 +82,8 @@ class StageOptions:
     ``device``, so host memory for its end is prepared while it runs. ``fresh``: ids of the parameters (whose
     values only the engine has) and floating buffers ``zero.Init`` built in this call. ``keep_optimizer_state``:
     a training stage's end keeps this rank's files of DeepSpeed's checkpoint (``exclude_frozen``: without
-    frozen parameters, as ``save_checkpoint`` would).
+    frozen parameters, as ``save_checkpoint`` would). ``check_host_memory``: a training stage asks the host
+    for its end's memory before its first step (:mod:`~stagesafe.stages.host_budget`).
     """
 
     stage: str
@@ -94,6 +94,7 @@ class StageOptions:
     fresh: frozenset[int] = frozenset()
     keep_optimizer_state: bool = True
     exclude_frozen: bool = False
+    check_host_memory: bool = True
 
 
 @dataclass
@@ -139,17 +140,18 @@ class StageBoundary:
         self.target = target
         self.writer = writer
         self.options = options
-        self._memory = EndMemory(
+        self._end = StageEnd(
             device=options.device, max_shard_size=target.max_shard_size, writers=writer.writers,
             training=options.training, keep_optimizer_state=options.keep_optimizer_state,
-            exclude_frozen=options.exclude_frozen, stage=options.stage,
+            exclude_frozen=options.exclude_frozen, stage=options.stage, check_memory=options.check_host_memory,
+            module_holds_weights=not options.meta,
         )
         self._entry = _Entry()
         self._loaded: dict[str, torch.Tensor] | None = None  # a ckpt_path's weights, loaded during the stage
         self._meta_values: dict[str, torch.Tensor] | None = None  # what place_meta() gives the module
         self.history: ModuleHistory | None = None
         self.report = BoundaryReport(stage=options.stage, uri=target.uri)
-        self._publisher = HandoffPublisher(module, target, writer, self._memory, self.report)
+        self._publisher = HandoffPublisher(module, target, writer, self._end, self.report)
 
     # -- entering -------------------------------------------------------------------------------------------
     def enter(self, *, resume_from: HandoffTarget | None = None) -> None:
@@ -176,6 +178,7 @@ class StageBoundary:
             tensors, history = self._first_stage(tensors, resume_from, on_meta)
         history.note_names(tensors, fresh=built)
         self.history = history
+        self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
         self._still_there(history, on_meta)
         footprint = zero_engine.take_footprint(self.module, fresh=self.options.fresh)
         if on_meta:
@@ -256,19 +259,37 @@ class StageBoundary:
         return reader
 
     def _prepare_end(self, history: ModuleHistory, tensors: Mapping[str, torch.Tensor]) -> None:
-        """While the stage runs: a training stage's host memory is made ready; an inference stage, which ends
-        with the weights it started with, has them written now if no handoff holds them, from the tensors this
-        boundary keeps (the engine computes on copies of its own); its end joins the write."""
+        """While the stage runs: the end's plan is made, and a training stage's host memory made ready; an
+        inference stage, which ends with the weights it started with, has them written now if no handoff holds
+        them, from the tensors this boundary keeps (the engine computes on copies of its own); its end joins the
+        write."""
         entry = self._entry
+        masters = set(entry.masters)
+        if self.options.training:
+            masters |= {n for n, p in self.module.named_parameters(remove_duplicate=False)
+                        if p.requires_grad and history.original[n][0] in SIXTEEN_BITS}
+        self._end.plan_for(self.module, tensors, original=history.original, built=entry.built, masters=masters)
         if self.options.training:
             if not self.options.meta:
-                self._memory.prepare_weights(self.module, tensors, original=history.original, built=entry.built)
+                values = entry.values
+                assert isinstance(values, dict)
+                self._end.prepare_weights(self.module, values, original=history.original, built=entry.built,
+                                          masters=entry.masters, replace=self._moved)
             return
         if entry.built or history.holds(self.target, tensors):
             return
         self._join_last_write()
         values = {n: t.to("cpu") for n, t in {**entry.values, **entry.masters}.items()}
-        self._publisher.start(history, values, tensors, gathered=None, host=None, background=False)
+        self._publisher.start(history, values, tensors, gathered=None, background=False)
+
+    def _moved(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The stage's end moved the module's tensor ``old`` into pages of its own, ``new`` (same values), while
+        the stage runs (its thread): the entry holds ``new`` instead, and whatever was known of ``old`` holds of it."""
+        values = self._entry.values
+        if isinstance(values, dict) and values.get(name) is old:
+            values[name] = new
+        if self.history is not None:
+            self.history.moved_tensor(name, old, new)
 
     def engine_built(self, engine: Any, *, training: bool) -> None:
         """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights;
@@ -278,11 +299,11 @@ class StageBoundary:
             values = {**entry.values, **entry.masters} if entry.masters else entry.values  # a reader stays lazy
             collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, values),
                                   "loading the fp32 master weights")
-        self._memory.engine_built(engine)
+        self._end.engine_built(engine, self.module)
 
     def optimizer_stepped(self, engine: Any) -> None:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""
-        self._memory.optimizer_stepped(engine)
+        self._end.optimizer_stepped(engine)
 
     def checkpoint_loaded(
         self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
@@ -316,13 +337,13 @@ class StageBoundary:
         history = self._entered()
         failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
         clock("join_last_write")
-        self._memory.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
+        self._end.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
         try:
             meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
             keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
                                      background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure)
         except BaseException:
-            self._memory.release_kept_state_hold()  # no copy will come to end the hold
+            self._end.release_kept_state_hold()  # no copy will come to end the hold
             raise
         if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
             self._meta_values = _meta_tensors(meta_specs, history)
@@ -338,10 +359,11 @@ class StageBoundary:
         failure: FirstFailure,
     ) -> bool:
         """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device."""
-        host = self._memory.weights_ready()
+        host = self._end.weights_ready()
         clock("host_memory_ready")
         sources = self._weight_sources(engine, history, trained=trained, gather=gather)
-        taken = self._take(sources, engine, history, host, weights_from, failure)
+        keep_for = self._end.private_names if background else set()
+        taken = self._take(sources, engine, history, host, keep_for, weights_from, failure)
         clock("consolidate")
         if taken.gathered is not None:  # of which: waiting for the device's copies (the rest is the host's)
             self.report.phases["consolidate_device_wait"] = taken.gathered.waited
@@ -352,8 +374,8 @@ class StageBoundary:
         restored = state_tensors(self.module)
         self._remember(kept, history, restored, copied=later is None)
         keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
-        copy_kept = self._memory.kept_state_copy(later, history) if later is not None else None
-        if not self._publish(taken, history, handoff, restored, host, failure, gather=gather,
+        copy_kept = self._end.kept_state_copy(later, history) if later is not None else None
+        if not self._publish(taken, history, handoff, restored, failure, gather=gather,
                              background=background and not keeps_meta, keep=copy_kept) and copy_kept is not None:
             copy_kept()  # no write took it to its device thread: now
         clock("publish")
@@ -401,19 +423,21 @@ class StageBoundary:
         sources: tuple[WeightSource, ...],
         engine: Any | None,
         history: ModuleHistory,
-        host: HostBuffers | None,
+        host: Mapping[str, torch.Tensor] | None,
+        keep_for: set[str],
         weights_from: Mapping[str, Any],
         failure: FirstFailure,
     ) -> _Taken:
         """The weights from the first of ``sources`` that gives them: a failure is noted and the next source
-        is tried; the last cannot fail. Weights that come from this stage name it in the handoff's metadata."""
+        is tried; the last cannot fail. Weights that come from this stage name it in the handoff's metadata.
+        ``host``: where trained masters go; ``keep_for``: names whose masters stay gathered for private copies."""
         *fallible, last = sources
         for tried, source in enumerate(fallible):
-            taken = failure.attempt(lambda: self._take_from(source, engine, history, host, weights_from))
+            taken = failure.attempt(lambda: self._take_from(source, engine, history, host, keep_for, weights_from))
             if taken is not None:
                 break
         else:
-            tried, taken = len(fallible), self._take_from(last, engine, history, host, weights_from)
+            tried, taken = len(fallible), self._take_from(last, engine, history, host, keep_for, weights_from)
         if taken.source in _FROM_THIS_STAGE:
             history.weights_from = dict(weights_from)
         return dataclasses.replace(taken, failed=sources[:tried])
@@ -423,7 +447,8 @@ class StageBoundary:
         source: WeightSource,
         engine: Any | None,
         history: ModuleHistory,
-        host: HostBuffers | None,
+        host: Mapping[str, torch.Tensor] | None,
+        keep_for: set[str],
         weights_from: Mapping[str, Any],
     ) -> _Taken:
         if source is WeightSource.STREAMED:
@@ -433,7 +458,8 @@ class StageBoundary:
         if source in (WeightSource.MASTERS, WeightSource.BUILT):
             entry, built, trained = self._entry.values or {}, self._entry.built, source is WeightSource.MASTERS
             values, gathered = collectives.all_ranks(
-                lambda: take_from_engine(self.module, history.original, entry, trained=trained, built=built, host=host),
+                lambda: take_from_engine(self.module, history.original, entry, trained=trained, built=built, host=host,
+                                         keep_for=keep_for),
                 "consolidating the ZeRO shards",
             )
             return _Taken(source, values, gathered)
@@ -459,11 +485,11 @@ class StageBoundary:
             return None, None
         copies = None
         if later:
-            checkpoint, missing, copies = self._memory.keep_engine_state_later(engine)
+            checkpoint, missing, copies = self._end.keep_engine_state_later(engine)
         else:
-            self._memory.kept_state_ready()
+            self._end.kept_state_ready()
             clock("kept_host_memory_ready")
-            checkpoint, missing = self._memory.keep_engine_state(engine)
+            checkpoint, missing = self._end.keep_engine_state(engine)
         clock("keep_engine_state")
         kept = KeptTraining(
             {}, masters=_masters_in(taken.values or {}, history), checkpoint=checkpoint, missing=missing,
@@ -499,7 +525,7 @@ class StageBoundary:
         if kept is not None:
             history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
         if copied:
-            self._memory.release_kept_state(history.kept if kept is not None and kept.checkpoint is not None else None)
+            self._end.release_kept_state()
 
     def _publish(
         self,
@@ -507,7 +533,6 @@ class StageBoundary:
         history: ModuleHistory,
         handoff: Mapping[str, torch.Tensor] | None,
         restored: Mapping[str, torch.Tensor],
-        host: HostBuffers | None,
         failure: FirstFailure,
         *,
         gather: bool,
@@ -519,16 +544,15 @@ class StageBoundary:
         background write took ``keep`` (device work of this boundary's) to its device thread."""
         if WeightSource.STREAMED in taken.failed:
             history.lost()  # its write failed: the next stage writes the weights the module now holds
-            _unlock(host)
+            self._end.unlock()
         elif handoff is None or history.holds(self.target, restored):
-            _unlock(host)
+            self._end.unlock()
         elif not gather:
-            _unlock(host)
+            self._end.unlock()
             self._publisher.alone(history, handoff)
         else:
             keep = keep if background else None
-            self._publisher.start(history, handoff, restored, gathered=taken.gathered, host=host, background=background,
-                                  keep=keep)
+            self._publisher.start(history, handoff, restored, gathered=taken.gathered, background=background, keep=keep)
             if not background:
                 failure.attempt(self.writer.join)  # the module keeps the new weights; then the failure is raised
             return keep is not None
@@ -564,11 +588,6 @@ def _meta_tensors(
         for name, (shape, _) in specs.items()
         if name in history.original
     }
-
-
-def _unlock(host: HostBuffers | None) -> None:
-    if host is not None:
-        host.unlock()
 
 
 def _absence(target: HandoffTarget) -> tuple[bool, str] | None:

@@ -9,12 +9,11 @@ writer that streams them (:class:`StreamedValues`, when the module holds no weig
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
 
-from stagesafe.stages.host import HostBuffers
 from stagesafe.zero import engine as zero_engine
 
 __all__ = ["StreamedValues", "master_names", "take_from_engine", "to_handoff"]
@@ -60,21 +59,23 @@ def take_from_engine(
     *,
     trained: bool,
     built: set[str],
-    host: HostBuffers | None,
+    host: Mapping[str, torch.Tensor] | None,
+    keep_for: Iterable[str] = (),
 ) -> tuple[dict[str, torch.Tensor], zero_engine.GatheredValues]:
     """The stage's weights (every name of ``original`` the engine's module has): the fp32 masters where the
     engine ``trained``, exact ``entry`` values where unchanged, and gathered partitions for the parameters
     zero.Init ``built`` in this call (only the engine has them). A collective.
 
-    With ``host``, masters are copied into the module's own (page-locked) tensors instead of fresh memory;
-    those of the shards this rank writes stay gathered for the writer's private copy (``host.fresh``).
+    With ``host`` (name -> host tensor made ready for it), masters are copied into those (the module's own,
+    page-locked on a GPU) instead of fresh memory; those of ``keep_for`` (the shards this rank writes) stay
+    gathered for the writer's private copy (:meth:`~stagesafe.zero.engine.GatheredValues.private_copies`).
     """
     specs, aliases = zero_engine.full_specs(module)
     gathered = zero_engine.GatheredValues(
         module,
         to_handoff(original, master_names(module, original) if trained else set(), entry),
-        into=host.existing if host is not None else None,
-        also_into=host.fresh if host is not None else None,
+        into=host,
+        keep_for=keep_for,
     )
     wanted = set(specs) if trained else built
     gathered.gather_masters([n for n in specs if n in wanted and n not in aliases])

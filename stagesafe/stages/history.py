@@ -93,6 +93,13 @@ class ModuleHistory:
         """The handoff may not hold the module's weights: the next stage writes them again."""
         self.fingerprint = None
 
+    def moved_tensor(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
+        """stagesafe copied tensor ``old`` of ``name`` into ``new`` (same values, pages of its own): what was known
+        of the one holds of the other (which handoff holds it, which kept state belongs to it)."""
+        for prints in (self.fingerprint, self.kept.fingerprint if self.kept is not None else None):
+            if prints is not None and prints.get(name) == (old.data_ptr(), old._version):
+                prints[name] = (new.data_ptr(), new._version)
+
     @property
     def writer(self) -> "HandoffWriter | None":
         return self._writer() if self._writer is not None else None

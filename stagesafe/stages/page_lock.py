@@ -31,6 +31,8 @@ __all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "locked_r
            "unlock_all"]
 
 PAGE = mmap.PAGESIZE
+HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
+_MADV_HUGEPAGE = 14
 LOCKED_ELSEWHERE = "already page-locked by this process"
 _REGISTER_FLAGS = 0  # cudaHostRegisterDefault: for this device's context, the one its copies run in
 
@@ -43,6 +45,7 @@ _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
 _libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
@@ -63,21 +66,41 @@ class PageRun:
 
 def empty(shape: Iterable[int], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised host tensor in pages of its own (an anonymous mapping), so that it can be page-locked
-    whatever its size. The pages go with the last view of them, unlocked first if they are still locked."""
+    whatever its size. The pages go with the last view of them, unlocked first if they are still locked.
+
+    A mapping of 2 MiB or more starts on a 2 MiB boundary and asks for transparent huge pages
+    (``MADV_HUGEPAGE``): first touching fresh memory, not copying into it, is what makes it slow, and a huge page
+    is one fault where small pages are 512 (the kernel falls back to small pages where it has no huge ones)."""
     shape = tuple(shape)
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     length = -(-nbytes // PAGE) * PAGE
-    start = _libc.mmap(None, length, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
-    if start in (None, _MAP_FAILED):
-        raise MemoryError(f"could not map {length} bytes of host memory: {os.strerror(ctypes.get_errno())}")
+    start = _map(length)
     pages = (ctypes.c_ubyte * length).from_address(start)
     with _registry_lock:
         _own[start] = start + length
     # once the tensor's storage lets go of them; never at exit, where code may still read them (the end frees all)
     weakref.finalize(pages, _release, start, length).atexit = False
     return torch.frombuffer(pages, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
+def _map(length: int) -> int:
+    """``length`` bytes of fresh anonymous memory; from 2 MiB on, aligned to 2 MiB and advised huge pages."""
+    huge = length >= HUGE_PAGE
+    asked = length + HUGE_PAGE if huge else length
+    start = _libc.mmap(None, asked, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if start in (None, _MAP_FAILED):
+        raise MemoryError(f"could not map {length} bytes of host memory: {os.strerror(ctypes.get_errno())}")
+    if huge:  # keep the aligned part only
+        aligned = -(-start // HUGE_PAGE) * HUGE_PAGE
+        if aligned > start:
+            _libc.munmap(start, aligned - start)
+        if start + asked > aligned + length:
+            _libc.munmap(aligned + length, start + asked - aligned - length)
+        start = aligned
+        _libc.madvise(start, length, _MADV_HUGEPAGE)  # advice only: an error leaves small pages, which work too
+    return start
 
 
 def _release(start: int, length: int) -> None:

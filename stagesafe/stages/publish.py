@@ -15,13 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.plan import plan_handoff
 from stagesafe.handoff.save import save_state_dict, save_streamed
 from stagesafe.stages import collectives
-from stagesafe.stages.end_memory import EndMemory
 from stagesafe.stages.engine_weights import StreamedValues
 from stagesafe.stages.history import HandoffTarget, ModuleHistory, state_tensors
-from stagesafe.stages.host import HostBuffers
+from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 from stagesafe.zero import engine as zero_engine
 
@@ -38,17 +36,17 @@ class HandoffPublisher:
     """Has one boundary's weights written to its ``target`` (every rank calls each method, in step).
 
     ``report``: the boundary's :class:`~stagesafe.stages.boundary.BoundaryReport`, which gets ``wrote``,
-    ``handoff_bytes``, ``copied_while_waiting`` and the writer's phases. ``memory``: the stage's host memory,
-    which knows which names this rank writes.
+    ``handoff_bytes``, ``copied_while_waiting`` and the writer's phases. ``end``: the stage's end, which holds
+    the handoff's plan, which names this rank writes and the host memory of their private copies.
     """
 
     def __init__(
-        self, module: nn.Module, target: HandoffTarget, writer: HandoffWriter, memory: EndMemory, report: Any
+        self, module: nn.Module, target: HandoffTarget, writer: HandoffWriter, end: StageEnd, report: Any
     ) -> None:
         self._module = module
         self._target = target
         self._writer = writer
-        self._memory = memory
+        self._end = end
         self._report = report
 
     def start(
@@ -58,24 +56,30 @@ class HandoffPublisher:
         tensors: Mapping[str, torch.Tensor],
         *,
         gathered: zero_engine.GatheredValues | None,
-        host: HostBuffers | None,
         background: bool,
         keep: Callable[[], None] | None = None,
     ) -> None:
-        """Start the writer on ``values``, which the module's ``tensors`` hold. A write that may outlast the
-        call (``background``) reads private copies of the shards this rank writes. ``keep``: device work of
-        the boundary's own for the writer's device thread, after those copies (the kept optimizer state's)."""
+        """Start the writer on ``values``, which the module's ``tensors`` hold, with the plan the stage made at its
+        entry. A write that may outlast the call (``background``) reads private copies of the shards this rank
+        writes. ``keep``: device work of the boundary's own for the writer's device thread, after those copies
+        (the kept optimizer state's)."""
+        plan = self._end.plan_matching(values)
+        mine = self._end.written_here or set()
         self._report.wrote = True
-        self._report.handoff_bytes = sum({id(v): v.nbytes for v in values.values()}.values())
-        private, fill = self._private_copies(values, gathered) if background else (values, None)
+        self._report.handoff_bytes = plan.total_size
+        if background:
+            private, fill = self._private_copies(values, gathered, mine)
+        else:
+            private, fill = {n: values[n] for n in mine}, None
         request = WriteRequest(
             values=private,
+            plan=plan,
             uri=self._target.uri,
             storage_options=self._target.storage_options,
-            max_shard_size=self._target.max_shard_size,
+            max_shard_size=self._end.max_shard_size,
             metadata=handoff_metadata(history),
             fill=fill,
-            unlock=host.unlock if host is not None else None,
+            unlock=self._end.after_call,
             phases=self._report.phases,
             on_failed=history.lost,
             keep=keep,
@@ -119,33 +123,35 @@ class HandoffPublisher:
         self._report.wrote = True
 
     def _private_copies(
-        self, values: Mapping[str, torch.Tensor], gathered: zero_engine.GatheredValues | None
+        self, values: Mapping[str, torch.Tensor], gathered: zero_engine.GatheredValues | None, mine: set[str]
     ) -> tuple[dict[str, torch.Tensor], Callable[[], None] | None]:
-        """What a background writer reads: for the shards this rank writes, private copies the user cannot
-        change (those the writer fills from the gathered masters, clones of the rest, made now, while the job
-        waits); the other names as they are. Also the writer's fill step."""
-        mine = self._memory.written_here
-        if mine is None:  # a stage whose end was not planned for (no host memory was prepared)
-            plan = plan_handoff(values, max_shard_size=self._target.max_shard_size)
-            mine = self._memory.plan_writes(plan.tensors, plan.aliases)
-        copied = gathered.copied if gathered is not None else {}
+        """What a background writer reads of the shards this rank writes (``mine``): copies the user cannot
+        change. A master still gathered is copied by the writer's fill step (the returned callable, which
+        completes the mapping before the write reads it); a value no user code reaches (a kept fp32 master) is
+        read as it is; anything else the module holds is cloned now, while the job waits."""
+        kept = set(gathered.kept) if gathered is not None else set()
         reachable = {t.data_ptr() for t in state_tensors(self._module).values() if t.numel()}
-        copies: dict[tuple, torch.Tensor] = {}  # by the tensor's memory: tied names share one tensor, one copy
-        private = dict(values)
-        for name in mine:
+        clones: dict[tuple, torch.Tensor] = {}  # by the tensor's memory: tied names share one tensor, one copy
+        private: dict[str, torch.Tensor] = {}
+        for name in sorted(mine - kept):
             value = values.get(name)
-            if value is None or (value.data_ptr() not in reachable and name not in copied):
-                continue  # a kept fp32 master: no user code can change it
-            if _memory(value) not in copies:
-                if name in copied:
-                    copies[_memory(value)] = copied[name]
-                else:
-                    copies[_memory(value)] = value.clone()
-                    self._report.copied_while_waiting += value.nbytes
-            private[name] = copies[_memory(value)]
-        for name, value in values.items():  # a tied name (planned under its first one) reads the same copy
-            private[name] = copies.get(_memory(value), private[name])
-        return private, (gathered.fill_copies if gathered is not None else None)
+            if value is None:
+                continue
+            if value.data_ptr() not in reachable:
+                private[name] = value
+                continue
+            if _memory(value) not in clones:
+                clones[_memory(value)] = value.clone()
+                self._report.copied_while_waiting += value.nbytes
+            private[name] = clones[_memory(value)]
+        if gathered is None or not kept:
+            return private, None
+        end = self._end
+
+        def fill() -> None:
+            private.update(gathered.private_copies(end.private_buffers()))
+
+        return private, fill
 
 
 def _memory(tensor: torch.Tensor) -> tuple:

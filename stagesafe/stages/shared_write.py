@@ -21,7 +21,7 @@ from stagesafe.handoff.fs import resolve, url_of
 from stagesafe.handoff.manifest import check_metadata, tag_for
 from stagesafe.handoff.cleanup import delete_shards
 from stagesafe.handoff.commit import Commit, commit_handoff
-from stagesafe.handoff.plan import HandoffPlan, plan_handoff, plan_specs
+from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_handoff
 from stagesafe.handoff.shards import ShardRecord, write_shards
 from stagesafe.stages.channel import JobChannel, Outcome, failures
 
@@ -40,19 +40,10 @@ def owners(plan: HandoffPlan, writers: int) -> dict[str, int]:
     return {file: owner[file] for file in plan.shards}
 
 
-def names_written_by(
-    specs: Mapping[str, Mapping[str, Any]],
-    aliases: Mapping[str, str],
-    *,
-    max_shard_size: int | str,
-    rank: int,
-    writers: int,
-) -> set[str]:
-    """The names whose shards ``rank`` will write, for a state dict known by ``specs`` and tied ``aliases``
-    (as :func:`~stagesafe.handoff.plan.plan_specs` takes them): the shards are those the write plans."""
+def names_written_by(plan: HandoffPlan, *, rank: int, writers: int) -> set[str]:
+    """The stored names whose shards ``rank`` writes in ``plan`` (none where it is not a writing rank)."""
     if rank >= writers:
         return set()
-    plan = plan_specs(specs, aliases, max_shard_size=max_shard_size)
     return {name for file, owner in owners(plan, writers).items() if owner == rank for name in plan.shards[file]}
 
 
@@ -65,13 +56,18 @@ def write_share(
     channel: JobChannel,
     writers: int,
     metadata: Mapping[str, Any],
+    plan: HandoffPlan | None = None,
 ) -> Commit | None:
-    """This rank's shards of ``values`` (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose
-    :class:`Commit` it returns. ``channel`` holds this write's keys (their prefix tags the shard names)."""
+    """This rank's shards (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose :class:`Commit` it
+    returns. ``plan``: the handoff's plan, made before (``values`` then need hold only this rank's names); by
+    default it is made from ``values``. ``channel`` holds this write's keys (their prefix tags the shard names)."""
     fs, root = resolve(uri, dict(storage_options or {}))
     metadata = check_metadata(metadata)
-    plan = plan_handoff(values, max_shard_size=max_shard_size, tag=tag_for(channel.prefix))
+    if plan is None:
+        plan = plan_handoff(values, max_shard_size=max_shard_size)
+    plan = plan.tagged(tag_for(channel.prefix), state_dict=values)
     mine = [file for file, owner in owners(plan, writers).items() if owner == channel.rank]
+    _check_values(plan, mine)
     records: dict[str, ShardRecord] = {}
     error: BaseException | None = None
     try:
@@ -96,6 +92,20 @@ def write_share(
         f"could not write the shards of {url_of(fs, root)!r} on {shown}; nothing was committed: "
         "the handoff there before, if any, is unchanged"
     )
+
+
+def _check_values(plan: HandoffPlan, files: list[str]) -> None:
+    """Each value this rank writes is the tensor the plan made room for: the plan was made when the stage
+    started, and so were the private copies of these names."""
+    for file in files:
+        for name in plan.shards[file]:
+            value, spec = plan.state_dict.get(name), plan.tensors[name]
+            if value is None or dtype_name(value.dtype) != spec["dtype"] or list(value.shape) != list(spec["shape"]):
+                got = "nothing" if value is None else f"{dtype_name(value.dtype)} {list(value.shape)}"
+                raise RuntimeError(
+                    f"stagesafe: the handoff's plan has {name!r} as {spec['dtype']} {spec['shape']}, but this rank "
+                    f"was given {got} to write; this is a bug in stagesafe: please report it"
+                )
 
 
 def _gather_records(

@@ -41,6 +41,7 @@ import torch
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
 from stagesafe.handoff.fs import resolve
 from stagesafe.handoff.manifest import tag_for
+from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.handoff.commit import Commit, remove_replaced
 from stagesafe.handoff.read import read_manifest
@@ -56,10 +57,12 @@ _EXIT_ACK_WAIT = 60.0  # seconds rank 0 stays at exit for the others to read the
 
 @dataclass
 class WriteRequest:
-    """One handoff to write: ``values`` (the shards this rank writes read private copies), where, and hooks
-    for the device work: ``fill`` makes the private copies; ``unlock`` unlocks page-locked host memory once
-    the Trainer call has returned (before that it would stall the call's own CUDA calls); ``on_failed`` runs on
-    every rank once the write is known to have failed."""
+    """One handoff to write: ``values`` (those of the shards this rank writes, private copies of them in the
+    background), ``plan`` (the handoff's plan, made when the stage started; None: planned from ``values``,
+    which then hold every name), where, and hooks for the device work: ``fill`` completes the private copies
+    in ``values``; ``unlock`` unlocks page-locked host memory once the Trainer call has returned (before that it
+    would stall the call's own CUDA calls); ``on_failed`` runs on every rank once the write is known to have
+    failed. This rank lets go of ``values`` once its share is written."""
 
     values: Mapping[str, torch.Tensor]
     uri: str
@@ -71,6 +74,7 @@ class WriteRequest:
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the boundary's report
     on_failed: Callable[[], None] | None = None  # called on every rank when the write is known to have failed
     keep: Callable[[], None] | None = None  # more device work once the private copies are made: the kept state's
+    plan: HandoffPlan | None = None
 
 
 class WriteState(str, enum.Enum):
@@ -243,9 +247,11 @@ class HandoffWriter:
                     channel=write.channel,
                     writers=write.writers,
                     metadata=request.metadata,
+                    plan=request.plan,
                 )
         except BaseException as exc:  # noqa: BLE001 - a thread reports what ended it, an interrupt too
             error = exc  # the joiners raise it
+        request.values, request.fill = {}, None  # this rank's share is written: its private copies can go
         request.phases["handoff_write"] = time.perf_counter() - start
         if self.rank == 0:
             write.committed.settle(commit, error)

@@ -8,7 +8,8 @@ When DeepSpeed changes, this is the one place that changes with it. Its files, b
 ZeRO (:mod:`.parameters`), the state an engine leaves on a module and taking it away (:mod:`.traces`: footprint,
 stale state, strip, destroy), the weights read out of a live engine (:mod:`.values_out`: full specs, gathered
 values, fp32 masters) and put into one (:mod:`.values_in`: partitions from values, loaded values, masters set), and
-the engine's own checkpoint files (:mod:`.checkpoint_state`). Callers use the names below, from this package.
+the engine's own checkpoint files (:mod:`.checkpoint_state`; ZeRO-3's fp32 master partitions in them as recipes,
+:mod:`.fp32_partitions`). Callers use the names below, from this package.
 """
 
 from stagesafe.zero.engine.checkpoint_state import (
@@ -20,6 +21,7 @@ from stagesafe.zero.engine.checkpoint_state import (
     checkpoint_files_later,
     foreseen_state_specs,
 )
+from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
 from stagesafe.zero.engine.traces import (
     ModuleFootprint,
@@ -52,4 +54,6 @@ __all__ = [
     "LaterCopies",
     "checkpoint_device_specs",
     "foreseen_state_specs",
+    "PartitionRecipe",
+    "built_partitions",
 ]

@@ -1,33 +1,47 @@
 """The engine's own checkpoint, kept instead of written: the files DeepSpeed's ``save_checkpoint`` would write for
-this rank, every tensor copied to host memory (so that they outlive the engine), and the device tensors that copy
-will need, known beforehand so that host memory can be made ready while the stage runs."""
+this rank, every device tensor copied to host memory (so that they outlive the engine; an engine on the CPU
+leaves its own), and the device tensors that copy will need, known beforehand so that host memory can be made
+ready while the stage runs. Given the parameters' names, a ZeRO-3 optimizer's fp32 master partitions are kept as
+recipes (:mod:`.fp32_partitions`), built again from the module's values when a checkpoint is written."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Callable, Iterator
 
 import torch
+
+from stagesafe.zero.engine.fp32_partitions import partition_recipes
 
 
 # Page-locked host memory made ready for a device tensor's copy (shape, dtype), or None where there is none.
 HostMemory = Callable[[torch.Size, torch.dtype], "torch.Tensor | None"]
 
 
+Names = Mapping[int, str]  # id of a parameter -> its state-dict name in the module the boundary gives back
+
+
 def checkpoint_files(
-    engine: Any, *, exclude_frozen: bool, host_memory: HostMemory | None = None
+    engine: Any, *, exclude_frozen: bool, host_memory: HostMemory | None = None, names: Names | None = None
 ) -> dict[str, dict[str, Any]] | None:
     """The files DeepSpeed's ``save_checkpoint`` would write for this rank now (file name in the tag folder ->
     its state: module placeholders, parameter shapes, step counts, lr scheduler, and the optimizer's partition:
-    fp32 masters, moments, loss scaler), every tensor copied to host memory, so that they outlive the engine.
+    fp32 masters, moments, loss scaler), every device tensor copied to host memory, so that they outlive the
+    engine; an engine on the CPU leaves its own tensors, which nothing writes once it is destroyed.
 
     DeepSpeed's own code builds them (its checkpoint engine is swapped for one that keeps instead of writing),
     so they are what ``load_checkpoint`` and ``zero_to_fp32`` expect. ``host_memory(shape, dtype)``: page-locked
     memory made ready beforehand for a device tensor's copy, or None (then it is allocated here, which costs
-    far more than the copy). Purely local: no collective. None where DeepSpeed keeps state outside them
-    (NVMe-swapped optimizer states, MoE layers).
+    far more than the copy). ``names``: with them, ZeRO-3's fp32 master partitions are kept as
+    :class:`~stagesafe.zero.engine.fp32_partitions.PartitionRecipe` (build them with
+    :func:`~stagesafe.zero.engine.fp32_partitions.built_partitions` before writing). Purely local: no
+    collective. None where DeepSpeed keeps state outside them (NVMe-swapped optimizer states, MoE layers).
     """
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-    files = _checkpoint_states(engine, exclude_frozen, lambda state: _to_host(state, copies, host_memory))
+    own = _on_cpu(engine)
+    files = _checkpoint_states(
+        engine, exclude_frozen, lambda state: _to_host(state, copies, host_memory, keep_host=own), names=names
+    )
     _synchronize(copies)
     return files
 
@@ -56,25 +70,32 @@ class LaterCopies:
         _synchronize(copies)
 
 
-def checkpoint_files_later(engine: Any, *, exclude_frozen: bool) -> tuple[dict[str, dict[str, Any]] | None, LaterCopies]:
+def checkpoint_files_later(
+    engine: Any, *, exclude_frozen: bool, names: Names | None = None
+) -> tuple[dict[str, dict[str, Any]] | None, LaterCopies]:
     """:func:`checkpoint_files` without the copies of the tensors on the engine's own device: the files hold
     those tensors themselves until :meth:`LaterCopies.finish` (after the engine is destroyed, off the Trainer
     call's path) copies them. Tensors elsewhere (an offloaded optimizer's, in host memory DeepSpeed may unpin
-    as it is destroyed) are copied now. Purely local: no collective."""
+    as it is destroyed) are copied now. An engine on the CPU leaves nothing for later. Purely local: no
+    collective."""
+    if _on_cpu(engine):
+        return checkpoint_files(engine, exclude_frozen=exclude_frozen, names=names), LaterCopies()
     later, copies = LaterCopies(), []
-    device = getattr(engine, "device", None)
-    on_device = device if isinstance(device, torch.device) else torch.device(device) if device is not None else None
+    on_device = _device_of(engine)
     files = _checkpoint_states(
-        engine, exclude_frozen, lambda state: _to_host(state, copies, later=later, on_device=on_device)
+        engine, exclude_frozen, lambda state: _to_host(state, copies, later=later, on_device=on_device), names=names
     )
     _synchronize(copies)
     return files, later
 
 
-def checkpoint_device_specs(engine: Any, *, exclude_frozen: bool) -> list[tuple[torch.Size, torch.dtype]] | None:
-    """Shape and dtype of every device tensor :func:`checkpoint_files` would copy now, copying nothing: the
-    host memory to prepare while the stage runs (after the first optimizer step: optimizers such as Adam make
-    their state then). None where it would return None."""
+def checkpoint_device_specs(
+    engine: Any, *, exclude_frozen: bool, names: Names | None = None
+) -> list[tuple[torch.Size, torch.dtype]] | None:
+    """Shape and dtype of every device tensor :func:`checkpoint_files` would copy now (with ``names``, without
+    the fp32 partitions it keeps as recipes), copying nothing: the host memory to prepare while the stage runs
+    (after the first optimizer step: optimizers such as Adam make their state then). None where it would
+    return None."""
     specs: list[tuple[torch.Size, torch.dtype]] = []
 
     def note(state: Any) -> None:
@@ -82,30 +103,32 @@ def checkpoint_device_specs(engine: Any, *, exclude_frozen: bool) -> list[tuple[
             if tensor.device.type == "cuda":
                 specs.append((tensor.shape, tensor.dtype))
 
-    return specs if _checkpoint_states(engine, exclude_frozen, note) is not None else None
+    found = _checkpoint_states(engine, exclude_frozen, note, names=names, read_padding=False)
+    return specs if found is not None else None
 
 
 # Optimizers whose state per parameter is known before their first step: tensors of the parameter's shape and dtype.
 _STATE_LIKE_PARAMETER = {"Adam": 2, "AdamW": 2, "FusedAdam": 2, "SGD": 0}
 
 
-def foreseen_state_specs(engine: Any) -> list[tuple[torch.Size, torch.dtype]]:
-    """The device tensors the optimizer will make at its first step, for optimizers that say so by their kind
-    (Adam's two moments, each shaped as its fp32 master): host memory for them can be made ready from the
-    engine's start. Empty when the state exists already or the optimizer is another kind."""
+def foreseen_state_specs(engine: Any, *, device_type: str = "cuda") -> list[tuple[torch.Size, torch.dtype]]:
+    """The tensors the optimizer will make on ``device_type`` at its first step, for optimizers that say so by
+    their kind (Adam's two moments, each shaped as its fp32 master): host memory for them can be made ready
+    from the engine's start. Empty when the state exists already or the optimizer is another kind."""
     base = getattr(engine.optimizer, "optimizer", None)  # the torch optimizer ZeRO wraps
     per_parameter = _STATE_LIKE_PARAMETER.get(type(base).__name__) if base is not None else None
     if not per_parameter or any(base.state.values()):
         return []
     return [(p.shape, p.dtype) for group in base.param_groups for p in group["params"]
-            if p.device.type == "cuda" for _ in range(per_parameter)]
+            if p.device.type == device_type for _ in range(per_parameter)]
 
 
 def _checkpoint_states(
-    engine: Any, exclude_frozen: bool, keep: Callable[[dict[str, Any]], Any]
+    engine: Any, exclude_frozen: bool, keep: Callable[[dict[str, Any]], Any], *, names: Names | None = None,
+    read_padding: bool = True,
 ) -> dict[str, Any] | None:
     """File name -> ``keep(state)`` for each file DeepSpeed's checkpoint would write for this rank now; the
-    engine is left as it was."""
+    engine is left as it was. With ``names``, ZeRO-3's fp32 partitions are recipes instead of tensors."""
     if engine.optimizer is None or engine.has_moe_layers or engine.zero_nvme_offload_optimizer():
         return None
     import os
@@ -126,8 +149,11 @@ def _checkpoint_states(
     try:
         engine._save_checkpoint("", "", client_state={}, exclude_frozen_parameters=exclude_frozen)
         if engine.save_zero_checkpoint:
-            state = {"optimizer_state_dict": engine.optimizer.state_dict(), "ds_config": engine.config,
-                     "ds_version": version}
+            optimizer_state = engine.optimizer.state_dict()
+            recipes = partition_recipes(engine.optimizer, names, read_padding=read_padding) if names else None
+            if recipes is not None:
+                optimizer_state = {**optimizer_state, _FP32_FLAT_GROUPS: recipes}
+            state = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": version}
             engine.checkpoint_engine.save(state, engine._get_zero_ckpt_name("", ""))
     finally:
         engine.checkpoint_engine = writer
@@ -170,6 +196,20 @@ def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
             yield from _tensors_in(value)
 
 
+_FP32_FLAT_GROUPS = "fp32_flat_groups"  # ZeRO-3's key for this rank's fp32 master partitions
+
+
+def _device_of(engine: Any) -> torch.device | None:
+    device = getattr(engine, "device", None)
+    return device if isinstance(device, torch.device) else torch.device(device) if device is not None else None
+
+
+def _on_cpu(engine: Any) -> bool:
+    """The engine computes on the CPU: its state is host memory already, and nothing writes it once it is gone."""
+    device = _device_of(engine)
+    return device is not None and device.type == "cpu"
+
+
 def _same_device(device: torch.device, on_device: torch.device | None) -> bool:
     if on_device is None or device.type != on_device.type:
         return False
@@ -183,12 +223,17 @@ def _to_host(
     *,
     later: LaterCopies | None = None,
     on_device: torch.device | None = None,
+    keep_host: bool = False,
 ) -> Any:
     """``obj`` with every tensor in its dicts, lists and tuples replaced by a host copy of its own (a device
     tensor into page-locked memory, asynchronously: synchronize before reading); other values are shared.
-    With ``later``, a tensor on ``on_device`` held by a dict or a list stays (its slot noted in ``later``)."""
+    With ``later``, a tensor on ``on_device`` held by a dict or a list stays (its slot noted in ``later``).
+    ``keep_host``: a tensor in pageable host memory stays itself (an engine on the CPU: nothing writes it once
+    the engine is destroyed, and a copy would hold its bytes twice)."""
     if isinstance(obj, torch.Tensor):
         source = obj.detach()
+        if keep_host and source.device.type == "cpu" and not source.is_pinned():
+            return source
         if source.device.type != "cuda":
             copy = source.to("cpu", copy=True)
         else:
@@ -205,10 +250,10 @@ def _to_host(
                 copied[key] = value.detach()
                 later.slots.append((copied, key))
             else:
-                copied[key] = _to_host(value, copies, host_memory, later=later, on_device=on_device)
+                copied[key] = _to_host(value, copies, host_memory, later=later, on_device=on_device, keep_host=keep_host)
         return copied
     if type(obj) is tuple:  # immutable: its tensors are copied now, never left for later
-        return tuple(_to_host(value, copies, host_memory) for value in obj)
+        return tuple(_to_host(value, copies, host_memory, keep_host=keep_host) for value in obj)
     return obj
 
 

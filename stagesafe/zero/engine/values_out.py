@@ -45,17 +45,17 @@ class GatheredValues(Mapping):
         to_dtype: Callable[[str, torch.Tensor], torch.Tensor],
         *,
         into: Mapping[str, torch.Tensor] | None = None,
-        also_into: Mapping[str, torch.Tensor] | None = None,
+        keep_for: Iterable[str] = (),
     ) -> None:
         """``into``: fp32 host tensors that a master is copied into (and returned) instead of fresh memory;
-        ``also_into``: host tensors for a second copy (a background writer's private one), filled later by
-        :meth:`fill_copies`, off the caller's path; the gathered masters are kept until then."""
+        ``keep_for``: names whose gathered masters are kept (:attr:`kept`) for a second copy of their own (a
+        background writer's private one), made later by :meth:`private_copies`, off the caller's path."""
         self._params, self._buffers = named_tensors(module)
         self._to_dtype = to_dtype
-        self._into, self._also_into = dict(into or {}), dict(also_into or {})
+        self._into = dict(into or {})
+        self._keep_for = set(keep_for)
         self._devices: set[torch.device] = set()
-        self.copied: dict[str, torch.Tensor] = {}  # the ``also_into`` tensors, once fill_copies() has run
-        self._kept: dict[str, torch.Tensor] = {}  # gathered masters waiting to be copied into ``also_into``
+        self.kept: dict[str, torch.Tensor] = {}  # gathered masters of ``keep_for``, until private_copies()
         self._ready: dict[str, tuple[torch.Tensor, bool]] = {}  # gathered masters, by name: (tensor, in `into`)
         self.waited = 0.0  # seconds synchronize() waited for the device: what of the end the copies' speed bounds
 
@@ -78,8 +78,8 @@ class GatheredValues(Mapping):
             return self._to_dtype(name, param.data.detach().to("cpu", copy=True))
 
     def _place(self, name: str, master: torch.Tensor, stream: Any) -> torch.Tensor | None:
-        """Copy a gathered master into its host tensor (on ``stream``, asynchronously), and keep it for the
-        writer's private copy; None when it has no host tensor to go to."""
+        """Copy a gathered master into its host tensor (on ``stream``, asynchronously), and keep it for a
+        private copy where asked; None when it has no host tensor to go to."""
         dest = self._into.get(name)
         if dest is None or not _fits(dest, master):
             return None
@@ -88,10 +88,8 @@ class GatheredValues(Mapping):
             dest.view(-1).copy_(master.view(-1), non_blocking=True)
         if stream is not None:
             master.record_stream(stream)
-        copy = self._also_into.get(name)
-        if copy is not None and _fits(copy, master):
-            self.copied[name] = copy
-            self._kept[name] = master  # nothing writes to it now: the engine has stepped for the last time
+        if name in self._keep_for:
+            self.kept[name] = master  # nothing writes to it now: the engine has stepped for the last time
         return dest
 
     def gather_masters(self, names: Iterable[str]) -> None:
@@ -138,22 +136,29 @@ class GatheredValues(Mapping):
                 torch.cuda.synchronize(device)
         self.waited += time.perf_counter() - start
 
-    def fill_copies(self) -> None:
-        """Copy the kept masters into their ``also_into`` tensors and let the masters go: in a background writer,
-        after :meth:`synchronize`. On a GPU the copies run on a stream of their own, so that they neither wait
-        for nor hold up the next stage's work on the default stream."""
-        kept, self._kept = self._kept, {}
-        streams = {
-            device: torch.cuda.Stream(device)
-            for device in {m.device for m in kept.values()}
-            if device.type == "cuda"
-        }
+    def private_copies(self, into: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The kept masters as copies of their own, by name, and let the masters go: a master on the CPU is one
+        already (gathered into memory of its own, no user code reaches it); one on a GPU is copied into its host
+        tensor of ``into`` (where it has none, into memory allocated here). In a background writer, after
+        :meth:`synchronize`; on a GPU the copies run on a stream of their own, so that they neither wait for nor
+        hold up the next stage's work on the default stream."""
+        kept, self.kept = self.kept, {}
+        copies = {name: master for name, master in kept.items() if master.device.type != "cuda"}
+        streams = {device: torch.cuda.Stream(device) for device in {m.device for m in kept.values()}
+                   if device.type == "cuda"}
         for name, master in kept.items():
             stream = streams.get(master.device)
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                self.copied[name].view(-1).copy_(master.view(-1), non_blocking=stream is not None)
+            if stream is None:
+                continue
+            dest = into.get(name)
+            if dest is None or not _fits(dest, master):
+                dest = torch.empty(master.shape, dtype=master.dtype, pin_memory=True)
+            with torch.cuda.stream(stream):
+                dest.view(-1).copy_(master.view(-1), non_blocking=True)
+            copies[name] = dest.view(master.shape)
         for stream in streams.values():
             stream.synchronize()
+        return copies
 
     def __iter__(self) -> Iterator[str]:
         return iter([*self._params, *self._buffers])
