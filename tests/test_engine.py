@@ -340,3 +340,24 @@ def test_a_destroyed_engines_module_leaves_deepspeeds_global_module_stack(proces
 
 def _fail(module, args, output):
     raise ValueError("a forward that fails")
+
+
+def test_a_module_is_placed_on_its_engines_gpu_only_where_deepspeed_would_move_it_itself():
+    model = _net()
+    assert not zero_engine.place_for_engine(model, torch.device("cpu"))  # nothing to place: the CPU engine casts here
+    model.hidden.weight.ds_id = 0  # as zero.Init leaves a parameter: DeepSpeed places such a module itself
+    assert not zero_engine.place_for_engine(model, torch.device("cuda", 0))
+    del model.hidden.weight.ds_id
+    with torch.device("meta"):
+        assert not zero_engine.place_for_engine(Net(), torch.device("cuda", 0))
+    assert all(t.device.type == "cpu" for t in model.state_dict().values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_module_placed_on_the_gpu_before_its_engine_keeps_its_values():
+    model = _net()
+    before = _state(model)
+    assert zero_engine.place_for_engine(model, torch.device("cuda", torch.cuda.current_device()))
+    assert all(t.device.type == "cuda" for t in model.state_dict().values())
+    assert_bitwise_equal({n: t.cpu() for n, t in _state(model).items()}, before)

@@ -148,7 +148,7 @@ def test_on_a_gpu_the_c_allocators_tensors_move_into_pages_of_their_own_stagesaf
     original = _original(module)
     end.plan_for(module, entry, original=original, built=set(), masters=set())
     end.prepare_weights(module, entry, original=original, built=set(), masters={},
-                        replace=lambda name, old, new: moved.append(name))
+                        replace=lambda name, old, new: (moved.append(name), entry.__setitem__(name, new)))
     end.engine_built(None, module)
     weights = end.weights_ready()
     try:

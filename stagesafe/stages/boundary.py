@@ -188,6 +188,8 @@ class StageBoundary:
             masters = history.kept.masters_for(entry) if history.kept is not None else {}
             self._entry = _Entry(entry, masters=masters, built=built, footprint=footprint)
             self._prepare_end(history, tensors)
+            if self.options.device is not None:  # the engine's 16-bit cast then happens there, not in host memory
+                zero_engine.place_for_engine(self.module, self.options.device)
         self.report.enter_seconds = time.perf_counter() - start
 
     def _built_names(self) -> set[str]:
@@ -299,7 +301,7 @@ class StageBoundary:
             values = {**entry.values, **entry.masters} if entry.masters else entry.values  # a reader stays lazy
             collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, values),
                                   "loading the fp32 master weights")
-        self._end.engine_built(engine, self.module)
+        self._end.engine_built(engine, self.module, last_write=self.writer)
 
     def optimizer_stepped(self, engine: Any) -> None:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""

@@ -49,7 +49,8 @@ class HostBuffers:
       unlocked only as they are freed, by whoever holds them last.
 
     ``lock_on``: the CUDA device whose copies will fill them, or ``None`` (a CPU run: nothing to lock, nothing
-    to swap). ``go_on``, cleared: the work waits between pieces until it is set again.
+    to swap). ``go_on``, cleared: the work waits between pieces until it is set again. ``after``: what the
+    thread waits for before it allocates anything (memory someone else lets go of first).
     """
 
     def __init__(
@@ -62,8 +63,10 @@ class HostBuffers:
         replace: Callable[[str, torch.Tensor, torch.Tensor], None] | None = None,
         lock_on: torch.device | None,
         go_on: threading.Event | None = None,
+        after: Callable[[], None] | None = None,
     ) -> None:
         self.existing = dict(existing)
+        self._after = after
         self._go_on = go_on
         self._new = dict(new or {})
         self._swap = dict(swap or {})
@@ -109,6 +112,8 @@ class HostBuffers:
             if lock_on is not None:
                 torch.cuda.set_device(lock_on)  # before any CUDA call: no context on another rank's GPU
             failed: dict[str, int] = {}
+            if self._after is not None:
+                self._after()
             if lock_on is not None:  # the module's own first: the end copies into them
                 self._lock_runs(self.existing.values(), failed, track=True)
             self._swap_into_own_pages(lock_on, failed)

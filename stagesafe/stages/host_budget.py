@@ -27,16 +27,18 @@ _UNLIMITED = 2**60  # cgroup v1 writes "no limit" as a number close to 2**63
 
 @dataclass(frozen=True)
 class Needs:
-    """Bytes a stage's end adds to one rank's host memory, by what they are for."""
+    """Bytes a stage's end adds to one rank's host memory, by what they are for; ``released``: bytes let go
+    before those are made (the last write's private copies, once its share is written)."""
 
     private_copies: int = 0
     kept_state: int = 0
     new_tensors: int = 0
     moving: int = 0  # a tensor being moved into pages of its own: held twice for a moment
+    released: int = 0
 
     @property
     def total(self) -> int:
-        return self.private_copies + self.kept_state + self.new_tensors + self.moving
+        return max(0, self.private_copies + self.kept_state + self.new_tensors + self.moving - self.released)
 
 
 @dataclass(frozen=True)

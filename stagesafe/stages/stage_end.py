@@ -202,22 +202,26 @@ class StageEnd:
             released = _release_kept_state(history)
             self._previous = released if self._pool_on_host else []
 
-    def engine_built(self, engine: Any, module: nn.Module) -> None:
+    def engine_built(self, engine: Any, module: nn.Module, last_write: Any = None) -> None:
         """Before the first step: ask the host for what the end adds (a collective; every rank raises
-        :class:`~stagesafe.errors.HostMemoryError` on a shortfall), then start making it ready."""
+        :class:`~stagesafe.errors.HostMemoryError` on a shortfall), then start making it ready. ``last_write``:
+        the writer whose last write may still hold its private copies (``held_bytes()``); this stage's are
+        made once it has let them go (``wait_let_go()``), so that no rank holds two sets."""
         if not self._training:
             return
         if self._module_holds_weights:  # its values are the kept fp32 partitions' source
             self._names = {id(p): n for n, p in module.named_parameters()}
         previous, self._previous = self._previous, []
         state = self._state_specs(engine) if self._pool_on_host else []
+        held = last_write.held_bytes() if last_write is not None else 0
         if self._check_memory:
-            host_budget.check(self._needs(state, previous), stage=self._stage)
+            host_budget.check(self._needs(state, previous, released=held), stage=self._stage)
         waiting, self._waiting = self._waiting, {}
+        after = last_write.wait_let_go if held and last_write is not None else None
         if waiting.get("new"):
-            self._made = HostBuffers({}, {}, new=waiting["new"], lock_on=self._lock_on)
+            self._made = HostBuffers({}, {}, new=waiting["new"], lock_on=self._lock_on, after=after)
         if waiting.get("private"):
-            self._private = HostBuffers({}, waiting["private"], lock_on=self._lock_on)
+            self._private = HostBuffers({}, waiting["private"], lock_on=self._lock_on, after=after)
         if self._pool_on_host:
             self._kept_state = HostPool([], lock_on=self._lock_on)
             self._kept_state.adopt(previous)
@@ -244,7 +248,7 @@ class StageEnd:
         specs = zero_engine.checkpoint_device_specs(engine, exclude_frozen=self._exclude_frozen, names=self._names)
         return specs or []
 
-    def _needs(self, state: Specs, previous: list[torch.Tensor]) -> host_budget.Needs:
+    def _needs(self, state: Specs, previous: list[torch.Tensor], *, released: int = 0) -> host_budget.Needs:
         """What the end adds to this rank's host memory, by what it is for (on the CPU the private copies are
         the gathered masters themselves, made at the end: the same bytes)."""
         waiting = self._waiting
@@ -255,6 +259,7 @@ class StageEnd:
             kept_state=max(0, sum(_nbytes(s) for s in state) - sum(t.nbytes for t in previous)),
             new_tensors=sum(_nbytes(s) for s in waiting.get("new", {}).values()),
             moving=max((t.nbytes for t in waiting.get("swap", {}).values()), default=0),
+            released=released,
         )
 
     # -- the optimizer state kept beyond the engine ---------------------------------------------------------

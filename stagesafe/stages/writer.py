@@ -124,6 +124,7 @@ class _Write:
         self.copied = _Step()  # None once the private copies are off the device, or the error making them
         self.committed = _Step()  # rank 0's Commit (None on other ranks once rank 0 said so), or the failure
         self.returned = threading.Event()  # the Trainer call that started the write has returned
+        self.let_go = threading.Event()  # this rank's share is written (or failed): its private copies are gone
         self.threads: list[_WriteThread] = []  # the device work's, then the writing's
 
     @property
@@ -252,6 +253,7 @@ class HandoffWriter:
         except BaseException as exc:  # noqa: BLE001 - a thread reports what ended it, an interrupt too
             error = exc  # the joiners raise it
         request.values, request.fill = {}, None  # this rank's share is written: its private copies can go
+        write.let_go.set()
         request.phases["handoff_write"] = time.perf_counter() - start
         if self.rank == 0:
             write.committed.settle(commit, error)
@@ -341,6 +343,21 @@ class HandoffWriter:
             return
         write.returned.set()  # whoever waits has returned from the call
         _bounded(write.threads[0].wait, self.timeout, f"the handoff write's device work ({write.uri})")
+
+    def held_bytes(self) -> int:
+        """Host bytes the write still holds on this rank: its private copies, until its share is written."""
+        write = self._write
+        if write is None or write.let_go.is_set():
+            return 0
+        values = list(write.request.values.values())
+        return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in values if t.numel()}.values())
+
+    def wait_let_go(self) -> None:
+        """Return once the write holds no private copies on this rank (its share is written, or it failed):
+        local, bounded by the timeout. For a next stage that would otherwise hold two sets of them."""
+        write = self._write
+        if write is not None:
+            _bounded(write.let_go.wait, 3 * self.timeout, f"writing the handoff {write.uri!r}: this rank's share")
 
     def check(self, what: str) -> None:
         """At a Trainer call's entry: raise, on every rank, a failure of the last write already known; leave

@@ -31,13 +31,19 @@ from stagesafe.zero.engine.traces import (
     strip_deepspeed_state,
     take_footprint,
 )
-from stagesafe.zero.engine.values_in import load_values_into_engine, partition_from_values, set_fp32_masters
+from stagesafe.zero.engine.values_in import (
+    load_values_into_engine,
+    partition_from_values,
+    place_for_engine,
+    set_fp32_masters,
+)
 from stagesafe.zero.engine.values_out import GatheredValues, full_specs
 
 __all__ = [
     "GatheredValues",
     "full_specs",
     "partition_from_values",
+    "place_for_engine",
     "ModuleFootprint",
     "take_footprint",
     "find_stale_state",

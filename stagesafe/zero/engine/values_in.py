@@ -1,5 +1,6 @@
-"""Weights put into an engine: a module on the meta device given its ZeRO-3 partitions straight from values, a
-full state dict loaded into a live engine's 16-bit partitions, and the optimizer's fp32 masters set bit for bit."""
+"""Weights put into an engine: a module placed on the engine's device before it is built, a module on the meta
+device given its ZeRO-3 partitions straight from values, a full state dict loaded into a live engine's 16-bit
+partitions, and the optimizer's fp32 masters set bit for bit."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ import torch
 from torch import nn
 
 from stagesafe.zero.engine.parameters import gathered_params, has_fp32_master, is_zero3_param, named_tensors
+
+
+def place_for_engine(module: nn.Module, device: torch.device) -> bool:
+    """Move a module no engine has partitioned to the CUDA device its engine will compute on, before the engine is
+    built; whether it did. DeepSpeed casts a module to its 16-bit dtype where the module is, then moves it: from
+    the CPU that is a second host copy of the weights, 2 bytes per parameter, while the caller still holds the
+    fp32 ones. On the device the cast costs no host memory (and the module goes there next anyway)."""
+    if device.type != "cuda":
+        return False
+    tensors = [*module.parameters(), *module.buffers()]
+    if not tensors or any(is_zero3_param(p) for p in module.parameters()):
+        return False  # zero.Init placed its parameters; DeepSpeed moves nothing of such a module either
+    if any(t.device.type == "meta" for t in tensors):
+        return False
+    module.to(device)
+    return True
 
 
 def partition_from_values(
