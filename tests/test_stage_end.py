@@ -150,6 +150,7 @@ def test_on_a_gpu_the_c_allocators_tensors_move_into_pages_of_their_own_stagesaf
     end.prepare_weights(module, entry, original=original, built=set(), masters={},
                         replace=lambda name, old, new: (moved.append(name), entry.__setitem__(name, new)))
     end.engine_built(None, module)
+    end.weights.ready()  # as a stage long enough for every tensor to move
     weights = end.weights_ready()
     try:
         assert weights["1.weight"].data_ptr() == tensors["1.weight"].data_ptr()  # in place

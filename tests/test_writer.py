@@ -423,3 +423,24 @@ def test_a_writes_two_futures_hold_its_private_copies_and_its_commit():
     assert done == {write.copied, write.committed}
     assert write.copied.result() is None and write.committed.result().manifest["metadata"]["step"] == 1
     assert writer.join() is write.committed.result()
+
+
+def test_a_rank_lets_go_of_its_private_copies_once_its_share_is_written(tmp_path):
+    import gc
+    import threading
+    import weakref
+
+    (writer,) = _writers(1)
+    values = _values()
+    expected = sum(t.nbytes for t in values.values())
+    gate = threading.Event()
+    writer.start(_request(str(tmp_path / "h"), values, fill=gate.wait))  # still copying: the copies are held
+    assert writer.held_bytes() == expected
+    refs = [weakref.ref(t) for t in values.values()]
+    del values
+    gate.set()
+    writer.wait_let_go()  # the share is written: nothing of it is held, though the write is not joined yet
+    gc.collect()
+    assert writer.pending and writer.held_bytes() == 0 and all(ref() is None for ref in refs)
+    writer.join()
+    assert writer.held_bytes() == 0
