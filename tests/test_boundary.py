@@ -278,10 +278,17 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
     history_of(module).weights_from = {"stage": "validate", "global_step": 0}  # what an earlier stage left
     engine = _engine(module)  # casts the module to bf16 and partitions it
     boundary.engine_built(engine, training=True)  # the masters get the exact fp32 values, not bf16-rounded ones
+    planned = boundary._end.plan  # made as the stage entered, before the engine cast anything
     report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=False)
     boundary.place_meta()
     assert report.wrote and report.clean
     handoff = stagesafe.load_state_dict(uri)
+    manifest = stagesafe.read_manifest(uri)
+    if not meta:  # the plan made at entry is the one written: the same shards, the bf16 layer's as fp32
+        assert boundary._end.plan is planned
+        assert sorted(map(sorted, _names_per_shard(manifest))) == sorted(map(sorted, planned.shards.values()))
+        assert {n: t["dtype"] for n, t in planned.tensors.items()} == {
+            "0.weight": "float32", "0.bias": "float32", "1.weight": "float32", "1.bias": "float32"}
     assert_bitwise_equal(handoff, {n: v.float() for n, v in values.items()})  # fp32, the bf16 layer's too
     metadata = stagesafe.read_manifest(uri)["metadata"]
     assert (metadata["stage"], metadata["global_step"]) == ("fit", 1)  # this fit's, in both modes
@@ -334,6 +341,13 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
             assert_bitwise_equal({"t": a}, {"t": b})
         held = [t for t in _tensors_in(kept.checkpoint[name]) if t.numel() > 1]
         assert all(t.device.type == "cpu" and t.data_ptr() in engine_memory for t in held)  # the engine's own
+
+
+def _names_per_shard(manifest: dict) -> list[list[str]]:
+    shards: dict[str, list[str]] = {}
+    for name, file in manifest["weight_map"].items():
+        shards.setdefault(file, []).append(name)
+    return list(shards.values())
 
 
 def _recipes_in(state):

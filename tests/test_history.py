@@ -124,3 +124,18 @@ def test_tensors_stagesafe_itself_replaced_keep_the_state_valid():
     other = {"a": torch.ones(3)}
     kept.moved(fingerprint(other), tensors)  # a move from tensors it was not kept with changes nothing
     assert kept.holds(meta)
+
+
+def test_a_tensor_moved_into_pages_of_its_own_keeps_what_was_known_of_the_old_one():
+    module = nn.Linear(3, 2)
+    history = new_history(module)
+    old = state_tensors(module)
+    writer = _Writer()
+    history.written(HandoffTarget(uri="/h"), old, writer)
+    history.kept = _kept(old, {})
+    new_weight = old["weight"].clone()
+    history.moved_tensor("weight", old["weight"], new_weight)
+    now = {**old, "weight": new_weight}
+    assert history.holds(HandoffTarget(uri="/h"), now) and history.kept.holds(now)
+    history.moved_tensor("bias", torch.zeros(2), torch.ones(2))  # not the tensor known: nothing changes
+    assert history.holds(HandoffTarget(uri="/h"), now)

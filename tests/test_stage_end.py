@@ -35,12 +35,17 @@ def _original(module: nn.Module) -> dict:
 SIXTEEN = {"3.weight", "3.bias"}  # trained in bf16: the handoff holds their fp32 masters
 
 
+def _history(module: nn.Module):
+    history = new_history(module)
+    history.note_names(state_tensors(module))
+    return history
+
+
 def _prepared(module: nn.Module, end: StageEnd, masters: dict | None = None, built: set | None = None) -> dict:
     entry = dict(state_tensors(module))
-    original = _original(module)
-    end.plan_for(module, entry, original=original, built=built or set(), masters=SIXTEEN | set(masters or {}))
-    end.prepare_weights(module, entry, original=original, built=built or set(), masters=masters or {},
-                        replace=lambda *_: None)
+    history = _history(module)
+    end.plan_for(module, entry, original=history.original, built=built or set(), kept=set(masters or {}))
+    end.prepare_weights(module, entry, history, built=built or set(), masters=masters or {})
     end.engine_built(None, module)  # asks the host (one process here), then makes the rest ready
     return entry
 
@@ -101,8 +106,8 @@ def test_nothing_is_prepared_where_nothing_trains_and_tied_names_are_planned_onc
         param.requires_grad_(False)
     end = _end()
     entry = dict(state_tensors(module))
-    end.plan_for(module, entry, original=_original(module), built=set(), masters=set())
-    end.prepare_weights(module, entry, original=_original(module), built=set(), masters={}, replace=lambda *_: None)
+    end.plan_for(module, entry, original=_original(module), built=set())
+    end.prepare_weights(module, entry, _history(module), built=set(), masters={})
     assert end.weights_ready() is None
     assert end.plan.aliases == {"1.weight": "0.weight"}
     assert end.written_here == {"0.weight", "0.bias", "1.bias"}  # a tied name is its first's
@@ -144,17 +149,18 @@ def test_on_a_gpu_the_c_allocators_tensors_move_into_pages_of_their_own_stagesaf
     before = {n: t.clone() for n, t in tensors.items()}
     end = _end(device=torch.device("cuda", torch.cuda.current_device()))
     entry = dict(tensors)
-    moved = []
-    original = _original(module)
-    end.plan_for(module, entry, original=original, built=set(), masters=set())
-    end.prepare_weights(module, entry, original=original, built=set(), masters={},
-                        replace=lambda name, old, new: (moved.append(name), entry.__setitem__(name, new)))
+    history = _history(module)
+    history.fingerprint = fingerprint(tensors)  # as a handoff that holds these weights
+    end.plan_for(module, entry, original=history.original, built=set())
+    end.prepare_weights(module, entry, history, built=set(), masters={})
     end.engine_built(None, module)
     end.weights.ready()  # as a stage long enough for every tensor to move
     weights = end.weights_ready()
     try:
         assert weights["1.weight"].data_ptr() == tensors["1.weight"].data_ptr()  # in place
-        assert sorted(moved) == ["0.bias", "0.weight"] and all(entry[n] is weights[n] for n in moved)
+        moved = sorted(end.weights.swapped)
+        assert moved == ["0.bias", "0.weight"] and all(entry[n] is weights[n] for n in moved)
+        assert history.fingerprint == fingerprint(entry)  # what was known of the old tensors holds of the new
         for name in moved:  # the C allocator's: moved into pages of their own, same values
             assert weights[name].data_ptr() != tensors[name].data_ptr() and torch.equal(weights[name], before[name])
         assert all(t.is_pinned() for t in [*weights.values(), *end.private_buffers().values()])

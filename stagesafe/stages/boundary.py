@@ -40,7 +40,7 @@ from stagesafe.stages.history import (
     state_tensors,
 )
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
-from stagesafe.stages.stage_end import SIXTEEN_BITS, StageEnd
+from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.weight_source import WeightSource, weight_sources
 from stagesafe.stages.writer import HandoffWriter
 from stagesafe.restore import assign_values, load_for
@@ -266,32 +266,18 @@ class StageBoundary:
         them, from the tensors this boundary keeps (the engine computes on copies of its own); its end joins the
         write."""
         entry = self._entry
-        masters = set(entry.masters)
-        if self.options.training:
-            masters |= {n for n, p in self.module.named_parameters(remove_duplicate=False)
-                        if p.requires_grad and history.original[n][0] in SIXTEEN_BITS}
-        self._end.plan_for(self.module, tensors, original=history.original, built=entry.built, masters=masters)
+        self._end.plan_for(self.module, tensors, original=history.original, built=entry.built, kept=set(entry.masters))
         if self.options.training:
             if not self.options.meta:
                 values = entry.values
                 assert isinstance(values, dict)
-                self._end.prepare_weights(self.module, values, original=history.original, built=entry.built,
-                                          masters=entry.masters, replace=self._moved)
+                self._end.prepare_weights(self.module, values, history, built=entry.built, masters=entry.masters)
             return
         if entry.built or history.holds(self.target, tensors):
             return
         self._join_last_write()
         values = {n: t.to("cpu") for n, t in {**entry.values, **entry.masters}.items()}
         self._publisher.start(history, values, tensors, gathered=None, background=False)
-
-    def _moved(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
-        """The stage's end moved the module's tensor ``old`` into pages of its own, ``new`` (same values), while
-        the stage runs (its thread): the entry holds ``new`` instead, and whatever was known of ``old`` holds of it."""
-        values = self._entry.values
-        if isinstance(values, dict) and values.get(name) is old:
-            values[name] = new
-        if self.history is not None:
-            self.history.moved_tensor(name, old, new)
 
     def engine_built(self, engine: Any, *, training: bool) -> None:
         """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights;

@@ -110,10 +110,15 @@ class StageEnd:
     # -- the plan ---------------------------------------------------------------------------------------------
     def plan_for(
         self, module: nn.Module, tensors: Mapping[str, torch.Tensor], *, original: Original, built: set[str],
-        masters: set[str],
+        kept: set[str] = frozenset(),
     ) -> HandoffPlan:
-        """Plan the handoff of the module's ``tensors`` as the end will hand them off, and which of its names
-        this rank writes (:attr:`written_here`)."""
+        """Plan the handoff of the module's ``tensors`` as the end will hand them off (fp32 masters of the
+        parameters a training stage trains in 16 bits, and of those whose masters are ``kept``), and which of its
+        names this rank writes (:attr:`written_here`)."""
+        masters = set(kept)
+        if self._training:
+            masters |= {n for n, p in module.named_parameters(remove_duplicate=False)
+                        if p.requires_grad and n in original and original[n][0] in SIXTEEN_BITS}
         specs, aliases = handoff_specs(module, tensors, original=original, built=built, masters=masters)
         self.plan = plan_specs(specs, aliases, max_shard_size=self.max_shard_size)
         self.written_here = names_written_by(self.plan, rank=collectives.rank(), writers=self._writers)
@@ -138,18 +143,25 @@ class StageEnd:
         self,
         module: nn.Module,
         entry: dict[str, torch.Tensor],
+        history: ModuleHistory,
         *,
-        original: Original,
         built: set[str],
         masters: Mapping[str, torch.Tensor],
-        replace: Callable[[str, torch.Tensor, torch.Tensor], None],
     ) -> None:
-        """Start making the module's own tensors ready for a training stage's end: its fp32 CPU tensors take
-        the masters in place (on a GPU, those of the C allocator are first moved into pages of their own, one
-        at a time, each put in its place in ``entry`` and wherever ``replace`` says); so do the kept fp32
-        ``masters`` of parameters it holds in 16 bits. What the end needs new (zero.Init's parameters, masters
-        not kept yet) and this rank's private copies are made once the budget allows (:meth:`engine_built`)."""
+        """Start making the module's own tensors ready for a training stage's end: its fp32 CPU tensors (the
+        stage's ``entry``) take the masters in place (on a GPU, those of the C allocator are first moved into
+        pages of their own, one at a time, each put in its place in ``entry`` and in what ``history`` knows of
+        it); so do the kept fp32 ``masters`` of parameters it holds in 16 bits. What the end needs new
+        (zero.Init's parameters, masters not kept yet) and this rank's private copies are made once the budget
+        allows (:meth:`engine_built`)."""
         assert self.plan is not None and self.written_here is not None, "plan_for() first"
+        original = history.original
+
+        def replace(name: str, old: torch.Tensor, new: torch.Tensor) -> None:  # in the moving thread
+            if entry.get(name) is old:
+                entry[name] = new
+            history.moved_tensor(name, old, new)
+
         trainable = {n for n, p in module.named_parameters() if p.requires_grad}  # tied: first name only
         fp32 = {n for n in trainable if original[n][0] == torch.float32}
         sixteen = {n for n in trainable if original[n][0] in SIXTEEN_BITS}
@@ -176,9 +188,13 @@ class StageEnd:
         return {name: t for part in parts for name, t in part.existing.items()}
 
     def private_buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's private copies' host memory, once ready (empty on the CPU, where the gathered masters are
-        the private copies)."""
-        return self._private.ready().fresh if self._private is not None else {}
+        """This rank's private copies' host memory, once ready, handed over: the caller's references are the
+        only ones, so the memory goes when the write lets go of it (empty on the CPU, where the gathered masters
+        are the private copies)."""
+        if self._private is None:
+            return {}
+        buffers, self._private.fresh = self._private.ready().fresh, {}
+        return buffers
 
     def unlock(self) -> None:
         """Unlock the module's tensors locked for the end (the call has returned)."""
