@@ -26,7 +26,7 @@ def test_a_later_fit_peaks_no_higher_than_the_first_with_the_optimizer_state_kep
     where the allocator happened to place and keep freed blocks, is what the peaks show."""
     out = tmp_path / "rows.json"
     script = os.path.join(ROOT, "benchmarks", "bench_host_memory.py")
-    args = ["--model", "mlp", "--layers", "48", "--width", "2048", "--sequence", "fit", "fit", "fit", "test",
+    args = ["--model", "mlp", "--layers", "48", "--width", "2048", "--steps", "1", "--sequence", "fit", "fit", "fit", "test",
             "--root", str(tmp_path), "--json", str(out)]
     run_script(script, args, timeout=840, env={"MALLOC_MMAP_THRESHOLD_": str(4 << 20)})
     seen = json.loads(out.read_text())
