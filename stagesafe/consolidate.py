@@ -36,6 +36,7 @@ from stagesafe.handoff.read import read_manifest
 from stagesafe.handoff.shards import Pieces, write_shards
 from stagesafe.progress import bytes_bar
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
+from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
 
@@ -90,6 +91,8 @@ def consolidate(
     """
     out_dtype = _parse_dtype(dtype)
     limit = parse_size(max_shard_size)
+    overwrite = checked_flag("overwrite", overwrite)
+    progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={workers!r} must be a positive int")
     # the source first: a checkpoint that is not there says so before the destination's storage is asked anything

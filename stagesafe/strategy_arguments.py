@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
 from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError
+from stagesafe.flags import checked_flag as checked_bool  # the strategy's flags: one check for the whole API
 from stagesafe.handoff.fs import is_local, resolve
 from stagesafe.handoff.manifest import MANIFEST_NAME
 
@@ -82,12 +83,6 @@ def check_between_stages(value: Any, *, zero_stage_3: Optional[bool]) -> None:
             "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
             "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
         )
-
-
-def checked_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
 
 
 def inference_config(config: Mapping[str, Any], *, zero_stage_3: bool) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def test_bad_values_are_refused_when_the_strategy_is_made(kwargs, pattern):
 
 @pytest.mark.parametrize(
     "kwargs,pattern",
-    [({"wait_for_write": "yes"}, "wait_for_write must be True or False"), ({"storage_options": ["key"]}, "must be a dict")],
+    [({"storage_options": ["key"]}, "must be a dict")],
 )
 def test_bad_types_are_refused_when_the_strategy_is_made(kwargs, pattern):
     with pytest.raises(TypeError, match=pattern):
@@ -89,10 +89,12 @@ def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp
     assert "building" not in caplog.text  # built: nothing to say
 
 
-def test_keep_optimizer_state_must_be_true_or_false():
-    with pytest.raises(TypeError, match="keep_optimizer_state must be True or False, got 'no'"):
-        StageSafeDeepSpeedStrategy(keep_optimizer_state="no")
-    assert StageSafeDeepSpeedStrategy(keep_optimizer_state=False).keep_optimizer_state is False
+@pytest.mark.parametrize("name", ["wait_for_write", "keep_optimizer_state", "check_host_memory"])
+@pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
+def test_the_strategy_flags_must_be_true_or_false(name, value):
+    with pytest.raises(InvalidArgumentError, match=f"{name}={value!r} must be True or False"):
+        StageSafeDeepSpeedStrategy(**{name: value})
+    assert getattr(StageSafeDeepSpeedStrategy(**{name: False}), name) is False
 
 
 def test_a_misspelt_argument_close_to_nothing_gets_no_guess():

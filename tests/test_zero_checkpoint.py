@@ -760,6 +760,16 @@ def test_trusting_a_checkpoint_gives_the_real_objects_by_torch_load_which_runs_i
     assert_bit_equal(values, _params())
 
 
+@pytest.mark.parametrize("value", ["false", "0", "no", 0, 1, "1", "true"])
+def test_trust_pickles_that_is_not_a_bool_is_refused_and_runs_nothing(tmp_path, value):
+    """bool("false") is True: a flag read as text must not turn code execution on."""
+    marker = tmp_path / "ran"
+    src = _with_client_state(tmp_path, {"payload": _Touch(str(marker))})
+    with pytest.raises(InvalidArgumentError, match=f"trust_pickles={value!r} must be True, False or None"):
+        load_zero_checkpoint_with_client_state(src, trust_pickles=value)
+    assert not marker.exists()
+
+
 def test_a_users_enum_in_the_client_state_is_a_stand_in_by_default(tmp_path, caplog):
     from stagesafe.zero.pickle_globals import OpaqueRecord
 

@@ -16,7 +16,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, HandoffNotReadyError, InvalidArgumentError, clip
+from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, HandoffNotReadyError, clip
+from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.folder import HandoffFolder, check_workers, each
@@ -108,13 +109,13 @@ def load_state_dict(
     of their shard's buffer; tied names come back as the same tensor object, in the order they were saved.
     ``progress``: a bar on stderr, shard by shard (default: on a terminal, for a handoff of a gigabyte or more).
     """
+    verify = checked_flag("verify", verify)
+    progress = checked_optional_flag("progress", progress, default="a bar on a terminal for a gigabyte or more")
     folder = HandoffFolder.at(uri, storage_options, retry=retry)
     workers = check_workers(workers, folder.fs)
     import torch
 
     device = torch.device(device)
-    if not isinstance(verify, bool):
-        raise InvalidArgumentError(f"verify={verify!r} must be True or False")
     manifest = fetch_manifest(folder)
     with shard_progress(progress, manifest, f"loading {uri}", least=_PROGRESS_FROM) as on_shard:
         return while_unchanged(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from stagesafe.flags import checked_flag
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.commit import commit
@@ -52,6 +53,7 @@ def save_state_dict(
     is unchanged. Two processes saving to one ``uri`` at once never mix their files: the last commit wins
     whole, and neither deletes the other's shards.
     """
+    overwrite = checked_flag("overwrite", overwrite)
     fs, root = resolve(uri, storage_options)
     metadata = check_metadata(metadata)  # before anything is written
     workers = check_workers(workers, fs)

@@ -14,7 +14,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, shown
+from stagesafe.errors import HandoffCorruptError, shown
+from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import codec
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.commit import write_index
@@ -57,10 +58,10 @@ def verify(
     ``fix_index``: an index that differs from the manifest is rewritten from it (once the shards verified)
     instead of being an error. ``progress``: a bar on stderr (default: on a terminal).
     """
+    fix_index = checked_flag("fix_index", fix_index)
+    progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
     folder = HandoffFolder.at(uri, storage_options, retry=retry)
     workers = check_workers(workers, folder.fs)
-    if not isinstance(fix_index, bool):
-        raise InvalidArgumentError(f"fix_index={fix_index!r} must be True or False")
     folder.fs.invalidate_cache(folder.root)  # sizes must come from the store, not from a listing cached before a write
     manifest = fetch_manifest(folder)
     with shard_progress(progress, manifest, f"verifying {uri}") as on_read:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from typing_extensions import Self
 
 from stagesafe.errors import CheckpointFormatError, StageSafeError, clip, shown
+from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff.fs import is_local, join, resolve, url_of
 from stagesafe.zero.checkpoint_folder import TagFolder, file_names, locate, rank_file_names
 from stagesafe.zero.checkpoint_tensors import CheckpointTensors, Piece, RankFiles, TensorSpec, client_entries, describe
@@ -192,7 +193,9 @@ def open_zero_checkpoint(
     trusted, nothing in them is refused, and :attr:`ZeroCheckpoint.client_state` holds the real objects,
     loaded by ``torch.load(weights_only=False)``, which runs code the file names. Only for files you made.
     """
-    trusted = os.environ.get(TRUST_VARIABLE) == "1" if trust_pickles is None else bool(trust_pickles)
+    trust_pickles = checked_optional_flag("trust_pickles", trust_pickles, default=f"trust if {TRUST_VARIABLE}=1")
+    exclude_frozen = checked_flag("exclude_frozen", exclude_frozen)
+    trusted = os.environ.get(TRUST_VARIABLE) == "1" if trust_pickles is None else trust_pickles
     if trusted:
         log.warning("%s: trusting its pickles (%s=1 or trust_pickles=True): code in them runs", src, TRUST_VARIABLE)
     fs, root = resolve(src, storage_options)
