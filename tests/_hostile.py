@@ -378,6 +378,49 @@ def empty_sets(size: int = 10 * 2**20) -> bytes:
     return b"\x80\x04" + b"\x8f" * size + b"."
 
 
+def _numpy_dtype(name: str, state: bytes) -> bytes:
+    """``numpy.dtype(name, False, True)`` and its BUILD with the pickled ``state`` (the tuple's items)."""
+    return b"cnumpy\ndtype\n" + _text(name) + b"\x89\x88\x87R(K\x03" + state + b"tb"
+
+
+def _numpy_array(shape: int, dtype: bytes, raw: bytes) -> bytes:
+    """numpy's ``_reconstruct`` of a 1-d array of ``shape`` items and its BUILD: ``dtype`` and ``raw`` are opcodes
+    pushing them (a memo read each, to share one buffer)."""
+    head = b"cnumpy.core.multiarray\n_reconstruct\ncnumpy\nndarray\nK\x00\x85C\x01b\x87R"
+    return head + b"(K\x01" + _long(shape) + b"\x85" + dtype + b"\x89" + raw + b"tb"
+
+
+def arrays_of_one_buffer(size: int = 2**20, arrays: int = 1500) -> bytes:
+    """One ``size``-byte buffer in the memo, then ``arrays`` numpy arrays built from it (a 5-byte memo read each):
+    a reader that copies the buffer per array allocates ``arrays`` times ``size``."""
+    buffer = b"B" + struct.pack("<I", size) + b"\0" * size + b"q\x000"
+    dtype = _numpy_dtype("u1", _text("|") + b"NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00") + b"q\x010"
+    items = _numpy_array(size, b"h\x01", b"h\x00") * arrays
+    return _in_optimizer_state(buffer + dtype + b"](" + items + b"e")
+
+
+def shared_build_state(names: int = 50_000, objects: int = 400, target: str = "stand-in") -> bytes:
+    """One state of ``names`` attributes, ``(None, {name: None, ...})`` as an object with ``__slots__`` pickles it,
+    in the memo, then ``objects`` objects each given it by a ``BUILD`` (a memo read): ``target`` a class outside
+    the tables ("stand-in"), ``argparse.Namespace``, an ``OrderedDict`` or an allow-listed DeepSpeed class."""
+    attributes = b"}(" + b"".join(_text(f"a{i}") + b"N" for i in range(names)) + b"u"
+    state = b"N" + attributes + b"\x86q\x000"
+    new = {
+        "stand-in": b"cuser_project.config\nConfig\n)\x81",
+        "namespace": b"cargparse\nNamespace\n)R",
+        "ordered_dict": b"ccollections\nOrderedDict\n)R",
+        "known": b"cdeepspeed.runtime.fp16.loss_scaler\nLossScaler\n)\x81",
+    }[target]
+    return _in_optimizer_state(state + b"](" + (new + b"h\x00b") * objects + b"e")
+
+
+def zero_size_items(count: int = 2**33) -> bytes:
+    """A numpy array of ``count`` items of the zero-byte dtype ``U0``, from no bytes: a size check of elements
+    times item size passes it."""
+    dtype = _numpy_dtype("U0", _text("<") + b"NNNK\x00K\x04K\x08")
+    return _in_optimizer_state(_numpy_array(count, dtype, b"C\x00"))
+
+
 HOSTILE_PICKLES: dict[str, Callable[[], bytes]] = {
     "loss_scaler_levels": loss_scaler_levels,
     "colliding_int_keys": colliding_int_keys,
@@ -385,6 +428,10 @@ HOSTILE_PICKLES: dict[str, Callable[[], bytes]] = {
     "bytearray_copies": lambda: byte_copies(how="bytearray"),
     "encode_copies": lambda: byte_copies(how="encode"),
     "empty_sets": empty_sets,
+    "arrays_of_one_buffer": arrays_of_one_buffer,
+    **{f"shared_build_state_{target}": (lambda target=target: shared_build_state(target=target))
+       for target in ("stand-in", "namespace", "ordered_dict", "known")},
+    "zero_size_items": zero_size_items,
 }
 
 
@@ -470,21 +517,25 @@ HOSTILE_RANK_FILES: dict[str, Callable[[str], None]] = {
 
 
 def consolidate_measured(src: str, dst: str, timeout: float = 120) -> tuple[int, float, float, str]:
-    """``stagesafe consolidate src dst`` in a fresh interpreter: ``(exit code, seconds in main(), peak RSS in MB
-    of the process, stderr)``. The peak is the kernel's VmHWM: ``ru_maxrss`` of a child counts the parent it was
-    forked from."""
+    """``stagesafe consolidate src dst`` in a fresh interpreter: :func:`cli_measured`."""
+    return cli_measured(["consolidate", src, dst, "-q"], timeout=timeout)
+
+
+def cli_measured(argv: list[str], timeout: float = 120) -> tuple[int, float, float, str]:
+    """``stagesafe <argv>`` in a fresh interpreter: ``(exit code, seconds in main(), peak RSS in MB of the process,
+    stderr)``. The peak is the kernel's VmHWM: ``ru_maxrss`` of a child counts the parent it was forked from."""
     code = (
         "import re, sys, time\n"
         "from stagesafe.cli import main\n"
         "start = time.perf_counter()\n"
-        "code = main(['consolidate', sys.argv[1], sys.argv[2], '-q'])\n"
+        "code = main(sys.argv[1:])\n"
         "seconds = time.perf_counter() - start\n"
         "peak = int(re.search(r'VmHWM:\\s+(\\d+) kB', open('/proc/self/status').read()).group(1)) / 1024\n"
         "print('MEASURED', code, seconds, peak)\n"
     )
-    result = run_python(code, src, dst, timeout=timeout)
+    result = run_python(code, *argv, timeout=timeout)
     line = next((line for line in result.stdout.splitlines() if line.startswith("MEASURED ")), None)
     if line is None:
-        raise AssertionError(f"consolidate died: exit {result.returncode}, stderr {result.stderr[-3000:]}")
+        raise AssertionError(f"stagesafe {argv[0]} died: exit {result.returncode}, stderr {result.stderr[-3000:]}")
     _, exit_code, seconds, rss = line.split()
     return int(exit_code), float(seconds), float(rss), result.stderr

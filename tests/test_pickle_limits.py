@@ -42,6 +42,13 @@ REFUSED = {
     "bytearray_copies": "crafted to exhaust memory or time",
     "encode_copies": "crafted to exhaust memory or time",
     "empty_sets": "crafted to exhaust memory or time",
+    # issue 39: copies of one memoized value, charged at each call or BUILD that is given it again
+    "arrays_of_one_buffer": "crafted to exhaust memory or time",
+    "shared_build_state_stand-in": "crafted to exhaust memory or time",
+    "shared_build_state_namespace": "crafted to exhaust memory or time",
+    "shared_build_state_ordered_dict": "crafted to exhaust memory or time",
+    "shared_build_state_known": "crafted to exhaust memory or time",
+    "zero_size_items": r"8589934592 elements\) from 0 bytes: an array's element count is checked apart",
 }
 
 
@@ -133,6 +140,32 @@ def test_pickles_torch_save_writes_spend_less_than_the_budget_per_byte(monkeypat
         data = torch_save_pickle(obj)
         assert len(data) > 500_000
         read(data)
+
+
+def test_hyperparameters_of_numpy_arrays_namespaces_and_stand_ins_spend_less_than_the_budget(monkeypatch):
+    """What issue 39's charges count (a numpy array's bytes at its BUILD, a BUILD state's attributes) leaves real
+    hyperparameters well inside the budget."""
+    import argparse
+
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    hparams = {
+        "arrays": [rng.random(1000) for _ in range(100)] + [np.zeros(2**20, dtype=np.uint8)],
+        "args": argparse.Namespace(**{f"option_{i}": i for i in range(3000)}),
+        "configs": [_Config(i) for i in range(2000)],
+    }
+    monkeypatch.setattr(pickle_reader, "MEMORY_BASE", 0)
+    data = torch_save_pickle({"hyper_parameters": hparams})
+    assert len(data) > 1_000_000
+    read(data)
+
+
+class _Config:
+    """A user's dataclass-like object: a stand-in of its class, its attributes a dict."""
+
+    def __init__(self, i: int):
+        self.lr, self.name, self.layers = 0.1 * i, f"run{i}", [i, i + 1]
 
 
 def _long(value: int) -> bytes:

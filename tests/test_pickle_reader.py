@@ -296,3 +296,62 @@ def test_a_storage_named_twice_with_two_types_is_refused():
     assert forged != data
     with pytest.raises(CheckpointFormatError, match="storage 0 is named as 2 float32 and as 3 float32"):
         read(forged)
+
+
+# -- stand-ins keep the file's attributes as data ----------------------------------------------------------------
+
+_PROTOCOL_NAMES = ("__deepcopy__", "__reduce_ex__", "__reduce__", "__getstate__", "__setstate__", "__copy__")
+
+
+class Config:
+    """A user's class whose pickled attributes are named as Python's protocol methods (a crafted state)."""
+
+    def __init__(self, **state):
+        self.state = state
+
+    def __getstate__(self):
+        return self.state
+
+
+def test_a_stand_ins_attributes_named_as_protocol_methods_shadow_nothing():
+    """A stand-in of the file's Config: deepcopy, pickle and torch.save of the hyperparameters holding it work,
+    and its attributes read back as data."""
+    state = {**{name: f"file's {name}" for name in _PROTOCOL_NAMES}, "lr": 0.1, "_private": 2}
+    hparams = read(torch_save_pickle({"hparams": {"config": Config(**state)}}))["hparams"]
+    config = hparams["config"]
+    assert type(config) is OpaqueRecord and config._attributes == state and config.lr == 0.1
+    with pytest.raises(AttributeError, match="_private"):
+        config._private  # names starting with "_" are the record's own, never the file's
+    copied = __import__("copy").deepcopy(hparams)
+    assert copied["config"] is not config and copied["config"]._attributes == state
+    assert pickle.loads(pickle.dumps(hparams))["config"]._attributes == state
+    buffer = io.BytesIO()
+    torch.save(hparams, buffer)
+    assert torch.load(io.BytesIO(buffer.getvalue()), weights_only=False)["config"].lr == 0.1
+
+
+class _NamespaceOf:
+    """Pickles as an ``argparse.Namespace`` or ``OrderedDict`` whose attributes are ``state``."""
+
+    def __init__(self, kind, state):
+        self.kind, self.state = kind, state
+
+    def __reduce__(self):
+        return (self.kind, (), self.state)
+
+
+@pytest.mark.parametrize("kind", [__import__("argparse").Namespace, OrderedDict])
+@pytest.mark.parametrize("name", ["__deepcopy__", "__reduce_ex__"])
+def test_a_real_object_given_an_attribute_named_as_a_protocol_method_is_refused(kind, name):
+    """A namespace is a real object: the file's ``__reduce_ex__`` would be what pickle calls on it."""
+    with pytest.raises(CheckpointFormatError, match=f"the attribute '{name}', which would shadow"):
+        read(torch_save_pickle({"hparams": _NamespaceOf(kind, {name: "x", "lr": 0.1})}))
+    assert vars(read(torch_save_pickle({"ns": _NamespaceOf(kind, {"lr": 0.1})}))["ns"]) == {"lr": 0.1}
+
+
+def test_stand_ins_given_one_state_share_it_instead_of_copying_it():
+    """Two objects whose pickled state is one dict (the pickle's memo): the stand-ins share it, as the pickle does."""
+    first, second = Config(), Config()
+    first.state = second.state = {"lr": 0.1, "betas": (0.9, 0.99)}
+    one, two = read(torch_save_pickle([first, second]))
+    assert one._attributes is two._attributes and one.lr == 0.1

@@ -287,10 +287,11 @@ def _materialize(file: RankFile, value: Any, done: dict[int, Any] | None = None,
         out.extend(_materialize(file, item, done, depth + 1) for item in value)
     elif isinstance(value, (OpaqueRecord, argparse.Namespace)):  # the same object, its parts converted
         done[id(value)] = out = value
-        vars(value).update({k: _materialize(file, v, done, depth + 1) for k, v in vars(value).items()})
         if isinstance(value, OpaqueRecord):
-            for part in ("_args", "_state", "_items"):
+            for part in ("_attributes", "_args", "_state", "_items"):
                 setattr(value, part, _materialize(file, getattr(value, part), done, depth + 1))
+        else:
+            vars(value).update({k: _materialize(file, v, done, depth + 1) for k, v in vars(value).items()})
     else:
         out = tuple(_materialize(file, item, done, depth + 1) for item in value)
     done[id(value)] = out

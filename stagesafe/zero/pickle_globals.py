@@ -45,6 +45,7 @@ __all__ = [
     "TorchSize",
     "attributes_of",
     "count",
+    "instance_attributes",
     "find_global",
     "plain_key",
     "set_state",
@@ -164,11 +165,14 @@ class OpaqueRecord:
     """Stands in for an object of a class the reader does not import: a DeepSpeed loss scaler (allow-listed), or a
     user's Enum member or dataclass (a warning names it). It runs no code and keeps what the pickle says of the
     object: ``_stands_for`` (the class's full name), ``_args`` (what it was called or instantiated with: an Enum
-    member's value), the pickled attributes as its own (a dataclass's fields: ``record.lr``), ``_state`` (a state
-    that is not attributes) and ``_items`` (the items of a list or dict subclass). Its hash is its identity, so a
-    record used as a dict key costs one hash, whatever it holds."""
+    member's value), ``_attributes`` (the pickled attributes, a dict: a dataclass's fields), ``_state`` (a state
+    that is not attributes) and ``_items`` (the items of a list or dict subclass). An attribute whose name does not
+    start with ``_`` reads as the record's own (``record.lr``); the file's attributes are data, never Python
+    attributes, so none of them (a ``__deepcopy__`` or ``__reduce__`` of the file's) shadows what ``copy``,
+    ``pickle`` and ``torch.save`` look up on the record. Its hash is its identity, so a record used as a dict key
+    costs one hash, whatever it holds."""
 
-    __slots__ = ("_stands_for", "_args", "_state", "_items", "_known", "__dict__")
+    __slots__ = ("_stands_for", "_args", "_state", "_items", "_known", "_attributes")
 
     def __init__(self, stands_for: str, args: tuple = (), *, known: bool = False):
         self._stands_for = stands_for
@@ -176,10 +180,19 @@ class OpaqueRecord:
         self._state: Any = None
         self._items: Any = None
         self._known = known  # allow-listed: built without a warning, its state must be attributes
+        self._attributes: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:  # only for names the class does not have
+        if not name.startswith("_"):
+            try:
+                return self._attributes[name]
+            except KeyError:
+                pass
+        raise AttributeError(f"the stand-in has no attribute {name!r} (the file's attributes: ._attributes)")
 
     def __shown__(self) -> tuple[str, Any, str, bool]:  # stagesafe._shown: within the message's budget
         own = [(name, value) for name, value in (("_args", self._args), ("_state", self._state)) if value]
-        return f"<{self._stands_for} (not imported) {{", itertools.chain(own, self.__dict__.items()), "}>", True
+        return f"<{self._stands_for} (not imported) {{", itertools.chain(own, self._attributes.items()), "}>", True
 
     def __repr__(self) -> str:
         return shown(self, 200)
@@ -208,10 +221,13 @@ class Pending:
 
 
 def set_state(record: OpaqueRecord, state: Any) -> None:
-    """``BUILD`` of a stand-in: attributes become its own; an allow-listed class's state must be attributes, another
-    state is kept as ``_state``."""
+    """``BUILD`` of a stand-in: attributes become its ``_attributes``; an allow-listed class's state must be
+    attributes, another state is kept as ``_state``."""
     if record._known or _is_attributes(state):
-        record.__dict__.update(attributes_of(state))
+        if not record._attributes and type(state) is dict and _is_names(state):
+            record._attributes = state  # shared, as the pickle shares it: a state given to many objects is not copied
+        else:  # a new dict: one shared with other records stays as it is
+            record._attributes = {**record._attributes, **attributes_of(state)}
     else:
         record._state = state
 
@@ -302,6 +318,17 @@ def attributes_of(value: Any) -> dict[str, Any]:
     if type(value) is tuple:
         return {**(value[0] or {}), **value[1]}
     return dict(value or {})
+
+
+def instance_attributes(value: Any) -> dict[str, Any]:
+    """:func:`attributes_of` for a real Python object's ``__dict__`` (an ``argparse.Namespace``, an
+    ``OrderedDict``'s): a name of Python's protocols (``__reduce_ex__``, ``__deepcopy__``) is refused, as the
+    file's value would shadow the method that ``copy``, ``pickle`` and ``torch.save`` call."""
+    attributes = attributes_of(value)
+    for name in attributes:
+        if name.startswith("__") and name.endswith("__"):
+            raise Malformed(f"the attribute {shown(name, 60)}, which would shadow one of Python's protocol methods")
+    return attributes
 
 
 def _is_attributes(value: Any) -> bool:

@@ -25,9 +25,9 @@ from stagesafe.zero.pickle_globals import (
     Rule,
     StorageRef,
     StorageType,
-    attributes_of,
     count,
     find_global,
+    instance_attributes,
     plain_key,
     set_state,
 )
@@ -469,7 +469,7 @@ class Interpreter:
         elif type(target) is OpaqueRecord:
             set_state(target, state)
         elif type(target) is OrderedDict:  # a state dict's _metadata, say
-            target.__dict__.update(attributes_of(state))
+            target.__dict__.update(instance_attributes(state))
         elif type(target) in ATTRIBUTE_TARGETS:
             ATTRIBUTE_TARGETS[type(target)](target, state)
         else:

@@ -61,18 +61,27 @@ _SAFE_INT = 2**61 - 1  # ints of smaller magnitude hash to themselves (-1 to -2)
 
 def weight(values: tuple) -> int:
     """An upper bound of the bytes a rule allocates, and the items it touches, when given ``values``: 8 per value,
-    plus a string's or bytes' length, plus 8 per item of a tuple and 64 per item of another container (a rule may
-    hash them into a set or copy them into a dict)."""
+    plus a string's or bytes' length, 8 per item of a tuple and 64 per item of another container (a rule may hash
+    them into a set or copy them into a dict); and the same for the items of a tuple among ``values``, which a rule
+    may copy too (a ``BUILD`` state ``(attributes, slots)`` is merged into one dict; a numpy array's state holds
+    its bytes). Charged at every call or ``BUILD``, however often one memoized value is given again."""
     total = 8 * len(values)
     for value in values:
-        kind = type(value)
-        if kind is str or kind is bytes or kind is bytearray:
-            total += len(value)
-        elif isinstance(value, tuple):
-            total += 8 * len(value)
-        elif isinstance(value, (list, dict, set, frozenset)):
-            total += 64 * len(value)
+        total += _size(value)
+        if isinstance(value, tuple):
+            total += sum(_size(item) for item in value)
     return total
+
+
+def _size(value: Any) -> int:
+    kind = type(value)
+    if kind is str or kind is bytes or kind is bytearray:
+        return len(value)
+    if isinstance(value, tuple):
+        return 8 * len(value)
+    if isinstance(value, (list, dict, set, frozenset)):
+        return 64 * len(value)
+    return 0
 
 
 class OverLimit(Exception):

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from stagesafe.errors import shown
-from stagesafe.zero.pickle_globals import Malformed, OpaqueRecord, Pending, Refused, Rule, attributes_of, count
+from stagesafe.zero.pickle_globals import Malformed, OpaqueRecord, Pending, Refused, Rule, count, instance_attributes
 from stagesafe.zero.pickle_policy import RECONSTRUCTOR
 
 __all__ = ["ATTRIBUTE_TARGETS", "USER_VALUE_GLOBALS"]
@@ -144,12 +144,19 @@ class _PendingArray(Pending):
             record = OpaqueRecord("numpy.ndarray")
             record._state = state
             return record
-        if math.prod(shape) * dtype.itemsize != len(raw):
+        elements = math.prod(shape)
+        if elements > max(len(raw), 1):  # numpy makes zero-size items one byte or more (U0 is U1): never written
+            raise Malformed(
+                f"a numpy array of shape {list(shape)[:8]} ({elements} elements) from {len(raw)} bytes: an array's "
+                "element count is checked apart from its bytes, and is never more than its bytes"
+            )
+        if elements * dtype.itemsize != len(raw):
             raise Malformed(f"a numpy array of shape {list(shape)[:8]} and dtype {dtype} from {len(raw)} bytes")
         import numpy
 
         if not dtype.itemsize:
             return numpy.empty(shape, dtype=dtype)
+        # A copy of its own, writable, as numpy's unpickling makes: the BUILD was charged its bytes (weight)
         return numpy.frombuffer(bytearray(raw), dtype=dtype).reshape(shape, order="F" if fortran else "C")
 
     def __repr__(self) -> str:
@@ -198,7 +205,7 @@ def _namespace(args: tuple) -> argparse.Namespace:
 
 
 def _set_attributes(target: Any, state: Any) -> None:
-    vars(target).update(attributes_of(state))
+    vars(target).update(instance_attributes(state))
 
 
 # Types whose BUILD sets attributes, as pickle's does: target -> state -> None.
