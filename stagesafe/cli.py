@@ -190,7 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parser.parse_args(argv)
     except _UsageError as exc:
-        print(str(exc), file=sys.stderr)
+        print(_escaped_lines(str(exc)), file=sys.stderr)
         return EXIT_USAGE
     except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
@@ -237,7 +237,7 @@ _STORAGE_HINTS = {
 
 def _fail(exc: BaseException, code: int, prefix: str = "", suffix: str = "") -> int:
     message = " ".join(str(exc).split()) or type(exc).__name__
-    print(f"stagesafe: error: {prefix}{message}{suffix}", file=sys.stderr)
+    print(_escaped(f"stagesafe: error: {prefix}{message}{suffix}"), file=sys.stderr)  # paths and names: the user's
     return code
 
 
@@ -258,11 +258,11 @@ def _consolidate(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         source = manifest["metadata"].get("source", {})
-        print(
+        print(_escaped(
             f"wrote {len(manifest['weight_map'])} tensors ({_size(manifest['total_size'])}) in "
             f"{len(manifest['shards'])} shard{'s' if len(manifest['shards']) != 1 else ''} to {args.dst} "
             f"(ZeRO-{source.get('zero_stage')}, {_count(source.get('world_size'), 'rank')}, tag {source.get('tag')})"
-        )
+        ))
     return EXIT_OK
 
 
@@ -302,7 +302,7 @@ def _inspect(args: argparse.Namespace) -> int:
         out.append(
             f"{line} ({kinds['param']:,} trained, {kinds['frozen']:,} frozen, {kinds['buffer']:,} buffer elements)"
         )
-    print("\n".join(_escaped(line) for line in out))  # names come from the file
+    print(_escaped_lines("\n".join(out)))  # names come from the file
     return EXIT_OK
 
 
@@ -327,10 +327,10 @@ def _verify(args: argparse.Namespace) -> int:
     if not args.quiet:
         size = sum(rec["size"] for rec in manifest["shards"].values())
         n = len(manifest["shards"])
-        print(
+        print(_escaped(
             f"ok: {n} shard{'s' if n != 1 else ''} ({_size(size)}) match the manifest of {args.url} "
             f"(digest {digest_of(manifest)})"
-        )
+        ))
     return EXIT_OK
 
 
@@ -353,6 +353,11 @@ def _escaped(text: str) -> str:
     if text.isprintable():
         return text
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+def _escaped_lines(text: str) -> str:
+    """:func:`_escaped`, line by line: a message of several lines keeps its line breaks."""
+    return "\n".join(_escaped(line) for line in text.split("\n"))
 
 
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError
 from stagesafe.flags import checked_flag as checked_bool  # the strategy's flags: one check for the whole API
-from stagesafe.handoff.fs import is_local, resolve
+from stagesafe.handoff.fs import check_not_a_file, is_local, resolve
 from stagesafe.handoff.manifest import MANIFEST_NAME
 
 __all__ = [
@@ -51,7 +51,8 @@ def checked_url(name: str, value: Any, storage_options: Mapping[str, Any]) -> Op
         return None
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a str URL or path, got {type(value).__name__}: {value!r}")
-    resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
+    fs, root = resolve(value, dict(storage_options))  # an unknown protocol or a missing backend fails here, not at fit
+    check_not_a_file(fs, root, name)
     return os.fspath(value)
 
 

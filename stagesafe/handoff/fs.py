@@ -20,7 +20,7 @@ from fsspec.registry import known_implementations, registry
 
 from stagesafe.handoff.manifest import temp_name
 from stagesafe.handoff.writeback import EVERY, start_writeback
-from stagesafe.errors import InvalidArgumentError, StorageBackendError
+from stagesafe.errors import InvalidArgumentError, StorageBackendError, shown
 
 __all__ = [
     "basename",
@@ -50,6 +50,10 @@ def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
         raise InvalidArgumentError(
             f"uri={uri!r} must be a non-empty str: a local path or an fsspec URL like 's3://bucket/run'"
         )
+    if "\0" in uri:
+        raise InvalidArgumentError(
+            f"{shown(uri, 200)} holds a NUL character (\\x00), which no path or URL can hold: check how it was built"
+        )
     for part in uri.split("::"):
         protocol, _ = split_protocol(part)
         if protocol and protocol not in known_implementations and protocol not in registry:
@@ -62,6 +66,16 @@ def resolve(uri: str, storage_options: dict[str, Any] | None = None) -> tuple[fs
     except ImportError as exc:
         raise StorageBackendError(_missing_backend(uri, exc)) from exc
     return fs, (path.rstrip("/") or path)
+
+
+def check_not_a_file(fs: fsspec.AbstractFileSystem, root: str, name: str) -> None:
+    """Refuse a destination on the local disk that is an existing file (a handoff is a folder: the shards and
+    the manifest go inside it); a remote store is not asked, its "folders" are prefixes."""
+    if is_local(fs) and os.path.lexists(root) and not os.path.isdir(root):
+        raise InvalidArgumentError(
+            f"{name}={shown(url_of(fs, root), 200)} is a file, not a folder: a handoff is a folder of shards and a "
+            "manifest; pass a folder (it is created if missing), or move the file away"
+        )
 
 
 def _missing_backend(uri: str, exc: ImportError) -> str:

@@ -48,7 +48,7 @@ DEFAULT_MAX_SHARD_SIZE = "1GB"  # one default for the strategy, save_state_dict 
 INDEX_NAME = "model.safetensors.index.json"  # the name Hugging Face loaders look for
 MANIFEST_NAME = "stagesafe.json"  # written last: its presence and content define the committed handoff
 
-_SHARD_RE = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5,}-of-\d{5,}\.safetensors")
+_SHARD_RE = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5,12}-of-\d{5,12}\.safetensors")  # 12: a name a disk can hold
 # Only temporary files of our own names, so that a user's unrelated `x.tmp-1` in the folder is left alone.
 _TEMP_RE = re.compile(
     r"(?:model-.*\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(MANIFEST_NAME) + r")\.tmp-[0-9a-f]+"

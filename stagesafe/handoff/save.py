@@ -16,7 +16,7 @@ from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.commit import commit
 from stagesafe.handoff.folder import check_retry, check_workers
-from stagesafe.handoff.fs import resolve
+from stagesafe.handoff.fs import check_not_a_file, resolve
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, check_metadata
 from stagesafe.handoff.plan import plan_handoff, plan_specs
 from stagesafe.handoff.retry import RetryPolicy
@@ -55,6 +55,7 @@ def save_state_dict(
     """
     overwrite = checked_flag("overwrite", overwrite)
     fs, root = resolve(uri, storage_options)
+    check_not_a_file(fs, root, "uri")
     metadata = check_metadata(metadata)  # before anything is written
     workers = check_workers(workers, fs)
     retry = check_retry(retry)
@@ -84,6 +85,7 @@ def save_streamed(
     Memory holds one tensor. The commit protocol is :func:`save_state_dict`'s.
     """
     fs, root = resolve(uri, storage_options)
+    check_not_a_file(fs, root, "uri")
     metadata = check_metadata(metadata)
     once = RetryPolicy(attempts=1)
     plan = plan_specs(specs, aliases, max_shard_size=max_shard_size, state_dict=tensors)
