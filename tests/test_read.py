@@ -325,3 +325,26 @@ def test_a_shard_truncated_under_the_mapping_is_refused_before_and_fails_as_load
         assert "SUM" not in result.stdout
     else:
         assert result.returncode != 0  # load_file refuses a cut file too ("incomplete metadata" or similar)
+
+
+def _mapped_file(address: int) -> str | None:
+    """The file that the mapping holding ``address`` maps (from /proc/self/maps), or None for anonymous memory."""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            start, end = (int(part, 16) for part in fields[0].split("-"))
+            if start <= address < end:
+                return fields[5].strip() if len(fields) > 5 else None
+    return None
+
+
+@pytest.mark.parametrize("verify_bytes", [True, False])
+def test_a_local_load_gives_views_of_the_shards_mapping_not_copies(tmp_path, verify_bytes):
+    """As ``load_file``: no copy into memory of our own, checked or not (the checked load hashes through the
+    mapping: one pass over the bytes beside the hash)."""
+    target = str(tmp_path / "handoff")
+    sd, shards = three_shards(target)
+    loaded = load_state_dict(target, verify=verify_bytes)
+    assert_bitwise_equal(loaded, sd)
+    files = {_mapped_file(t.data_ptr()) for t in loaded.values() if t.numel()}
+    assert files and files <= {os.path.join(target, name) for name in shards}, files
