@@ -73,7 +73,7 @@ def describe(value):
     stands_for = getattr(value, "_stands_for", None)
     if stands_for is not None:
         return {"class": stands_for.rpartition(".")[2], "args": describe(list(value._args)), "attrs": describe(
-            dict(vars(value)))}  # fmt: skip
+            dict(value._attributes))}  # fmt: skip
     if isinstance(value, enum.Enum):
         return {"class": type(value).__name__, "args": [value.value], "attrs": {}}
     if dataclasses.is_dataclass(value):
