@@ -15,7 +15,8 @@ __all__ = ["checked_flag", "checked_optional_flag"]
 
 
 def checked_flag(name: str, value: Any) -> bool:
-    """``value`` if it is ``True`` or ``False``, else :class:`~stagesafe.errors.InvalidArgumentError` naming ``name``."""
+    """``value`` if it is ``True`` or ``False``, else :class:`~stagesafe.errors.InvalidArgumentError` naming
+    ``name``."""
     if type(value) is not bool:  # bool cannot be subclassed: numpy.bool_, 0, 1, "false" are refused
         raise InvalidArgumentError(
             f"{name}={shown(value, 60)} must be True or False (a bool; strings such as 'false' and numbers are "

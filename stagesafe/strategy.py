@@ -135,6 +135,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
         self.keep_optimizer_state = checked_bool("keep_optimizer_state", keep_optimizer_state)
         self.check_host_memory = checked_bool("check_host_memory", check_host_memory)
+        checked_bool("exclude_frozen_parameters", self.exclude_frozen_parameters)  # Lightning's; the handoff honours it
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None

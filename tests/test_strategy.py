@@ -89,7 +89,10 @@ def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp
     assert "building" not in caplog.text  # built: nothing to say
 
 
-@pytest.mark.parametrize("name", ["wait_for_write", "keep_optimizer_state", "check_host_memory"])
+FLAGS = ["wait_for_write", "keep_optimizer_state", "check_host_memory", "exclude_frozen_parameters"]
+
+
+@pytest.mark.parametrize("name", FLAGS)
 @pytest.mark.parametrize("value", ["no", "false", 0, 1, None])
 def test_the_strategy_flags_must_be_true_or_false(name, value):
     with pytest.raises(InvalidArgumentError, match=f"{name}={value!r} must be True or False"):
