@@ -508,11 +508,11 @@ def test_an_output_that_cannot_be_written_is_exit_1_and_left_as_it_was(world_rea
 
 def test_a_commit_that_fails_in_an_empty_destination_leaves_no_shard_behind(ckpts, tmp_path, capsys):
     dst = tmp_path / "out"
-    (dst / "model.safetensors.index.json").mkdir(parents=True)  # the index cannot be renamed into place
+    (dst / "stagesafe.json").mkdir(parents=True)  # the manifest cannot be renamed into place: no commit
     code, _, err = run(capsys, "consolidate", ckpts["s3"]["path"], str(dst), "--max-shard-size", "2KB", "--overwrite")
     assert code == 1, err
-    assert_one_error_line(err, "model.safetensors.index.json")
-    assert os.listdir(dst) == ["model.safetensors.index.json"]  # the shards written before the commit are gone
+    assert_one_error_line(err, "stagesafe.json")
+    assert os.listdir(dst) == ["stagesafe.json"]  # the shards written before the commit are gone
 
 
 _NO_AWS = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE":
