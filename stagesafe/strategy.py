@@ -27,7 +27,13 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.errors import DistributedStageError, EngineReleasedError, InvalidArgumentError
+from stagesafe.errors import (
+    DistributedStageError,
+    EngineReleasedError,
+    HandoffNotReadyError,
+    InvalidArgumentError,
+    describe,
+)
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
@@ -539,16 +545,40 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     def wait_for_handoff(self) -> None:
         """Return once the last stage's handoff is committed (raise its failure on every rank). Call it on
-        every rank, e.g. before another process reads the handoff."""
+        every rank, e.g. before another process reads the handoff. Once a write failed, every later call
+        raises :class:`~stagesafe.HandoffNotReadyError` until a write commits or
+        :meth:`acknowledge_handoff_failure` is called: the folder does not hold the module's weights."""
+        try:
+            for writer in self._writers():
+                writer.call_returned()
+                writer.join()
+        finally:
+            if self.last_boundary is not None:
+                self._log_boundary(self.last_boundary, waited=True)
+        failed = self._handoff_failure()
+        if failed is not None:
+            uri, error = failed
+            raise HandoffNotReadyError(
+                f"the last handoff write to {uri!r} failed ({describe(error)}): the folder holds the handoff "
+                "committed before it, if any, not the module's weights. The next Trainer call writes them again; "
+                "or call strategy.acknowledge_handoff_failure() to go on without them"
+            ) from error
+
+    def acknowledge_handoff_failure(self) -> None:
+        """Go on after a failed handoff write: ``wait_for_handoff()`` and the boundary's log line stop saying
+        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them."""
         for writer in self._writers():
-            writer.call_returned()
-            writer.join()
-        if self.last_boundary is not None:
-            self._log_boundary(self.last_boundary, waited=True)
+            writer.failed = None
+
+    def _handoff_failure(self) -> tuple[str, BaseException] | None:
+        """The failure of the last joined write, while no write since has committed and the user has not
+        acknowledged it (this strategy's writer; before its first call, the writer of the module's last handoff)."""
+        writers = self._writers()
+        return writers[0].failed if writers else None
 
     def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
         if self.is_global_zero:
-            log.info("%s", boundary_line(report, waited=waited))
+            log.info("%s", boundary_line(report, waited=waited, failed=self._handoff_failure()))
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from stagesafe.errors import describe
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -24,8 +26,16 @@ def say_committed(uri: str, commit: Any, seconds: float) -> None:
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")
 
 
-def boundary_line(report: "BoundaryReport", *, waited: bool) -> str:
-    """One line for a stage's boundary: how long it took, and whether the handoff was written."""
+def boundary_line(report: "BoundaryReport", *, waited: bool, failed: tuple[str, BaseException] | None = None) -> str:
+    """One line for a stage's boundary: how long it took, and whether the handoff was written. ``failed``: the
+    URL and error of a write that failed and that no commit since has made good: the line says so."""
+    if failed is not None:
+        uri, error = failed
+        clean = "" if report.clean else f"; NOT clean: {report.stale_problems}"
+        return (
+            f"stagesafe: {report.stage} boundary {report.seconds:.2f}s; handoff write FAILED at {uri} "
+            f"({describe(error)}): it does not hold the module's weights{clean}"
+        )
     if report.wrote and not waited:
         written = "being written in the background"
     else:

@@ -162,6 +162,7 @@ class HandoffWriter:
         self._write: _Write | None = None
         self._alone: tuple[JobChannel, str] | None = None  # rank 0's lone write after a failed call, not yet awaited
         self._exit_hook = False
+        self.failed: tuple[str, BaseException] | None = None  # the last joined write's URL and failure, until one commits
 
     @property
     def rank(self) -> int:
@@ -394,11 +395,14 @@ class HandoffWriter:
             return None
         self.finish_threads(write)
         try:
-            return write.committed.result(timeout=0)
-        except BaseException:  # noqa: BLE001 - re-raised; after an interrupt too the handoff may never hold
+            done = write.committed.result(timeout=0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised; after an interrupt too the handoff may never hold
+            self.failed = (write.uri, exc)  # said by every later wait until a write commits or the user acknowledges
             if write.request.on_failed is not None:  # these weights: on_failed forgets that it does
                 write.request.on_failed()
             raise
+        self.failed = None
+        return done
 
     # -- exit ---------------------------------------------------------------------------------------------
     def _register_exit_hook(self) -> None:

@@ -3,6 +3,8 @@
 Usage: python faults.py CASE ROOT [HANDOFF_URI]
   disk_full_at_exit    fit, whose handoff (on a disk too small for it) fails in the background; the script ends.
   disk_full_then_fit   the same, then another fit: its entry raises the failure; a fit after that writes again.
+  disk_full_wait_again  fit, whose handoff fails (disk full); wait_for_handoff() three times, then
+                       acknowledge_handoff_failure() and once more. Rank 0 logs the boundary lines on stderr.
   vanished             fit, wait; the handoff folder is deleted; test: the stage writes it again.
   vanished_meta        the same with between_stages="meta": test raises HandoffNotFoundError.
   failed_write_metadata  fit (4 steps) whose write fails (disk full), then the disk is freed (rank 0 deletes
@@ -103,6 +105,17 @@ def main() -> None:
         record("fit", module, lambda: t2.fit(module, train_dataloaders=dataloader()))
         t2.strategy.wait_for_handoff()
         record("joined", module, lambda: None, handoff=os.path.join(root, "elsewhere"))
+        return
+    if case == "disk_full_wait_again":
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("stagesafe").setLevel(logging.INFO)
+        record("fit", module, fit)
+        for _ in range(3):
+            record("joined", module, t.strategy.wait_for_handoff)
+        t.strategy.acknowledge_handoff_failure()
+        record("joined", module, t.strategy.wait_for_handoff)
         return
     if case in ("vanished", "vanished_meta"):
         record("fit", module, fit)
