@@ -85,6 +85,16 @@ def test_after_a_failed_write_every_later_wait_and_boundary_line_say_so_until_ac
     assert "FAILED" not in lines[4] and "written at" in lines[4], lines
 
 
+def test_rank_0_killed_during_the_background_write_is_named_on_rank_1_as_a_distributed_stage_error(tmp_path):
+    results, records = _run("rank0_killed_mid_write", tmp_path, expect_ok=False)
+    assert results[0].returncode == -9
+    fit, joined = records[1]
+    assert fit["error"] is None
+    assert joined["error"]["type"] == "DistributedStageError", _error(joined)  # the old tree: DistNetworkError
+    assert "rank 0 did not answer" in joined["error"]["message"] and "stagesafe verify" in joined["error"]["message"]
+    assert not os.path.exists(os.path.join(tmp_path, "handoff", "stagesafe.json"))  # nothing committed
+
+
 def test_a_deleted_handoff_is_written_again_by_the_next_stage(tmp_path):
     _, records = _run("vanished", tmp_path)
     fit, joined, test, rejoined = records[0]

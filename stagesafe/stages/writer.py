@@ -271,8 +271,15 @@ class HandoffWriter:
         try:
             write.channel.wait(["outcome"], what=f"{what}: rank 0's commit")
             word = write.channel.outcome("outcome")
-        except Exception as exc:  # noqa: BLE001 - rank 0 gone or the store unreachable: the write failed here
+        except DistributedStageError as exc:  # the wait's own bound: it names what it waited for
             return exc
+        except Exception as exc:  # noqa: BLE001 - whatever the transport says (gloo's DistNetworkError, ...):
+            return DistributedStageError(  # rank 0, which hosts the job's store, is gone or unreachable
+                f"{what}: rank 0 did not answer ({describe(exc)}); it may have died before or during its commit. "
+                f"Whether the handoff was committed is unknown: run stagesafe verify {write.uri}, then restart the job "
+                "(resume_from=<the handoff's URL>)",
+                failures={0: describe(exc)},
+            )
         if error is not None or word.ok:
             return error
         return DistributedStageError(
