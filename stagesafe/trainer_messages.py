@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
     from stagesafe.stages.boundary import BoundaryReport
 
-__all__ = ["boundary_line", "megabytes", "say_committed", "warn_if_fit_has_nothing_left"]
+__all__ = ["boundary_line", "megabytes", "say_committed", "say_versioned", "warn_if_fit_has_nothing_left"]
 
 
 def say_committed(uri: str, commit: Any, seconds: float) -> None:
@@ -24,6 +24,14 @@ def say_committed(uri: str, commit: Any, seconds: float) -> None:
     metadata = commit.manifest.get("metadata", {})
     what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")
+
+
+def say_versioned(asked: str, uri: str) -> None:
+    """Rank 0's line when the default handoff folder holds another run's handoff and this run writes beside it."""
+    rank_zero_info(
+        f"stagesafe: {asked} holds a handoff of another run, which is kept; this run's handoff is written to {uri} "
+        "(strategy.last_boundary.uri names it)"
+    )
 
 
 def boundary_line(report: "BoundaryReport", *, waited: bool, failed: tuple[str, BaseException] | None = None) -> str:
