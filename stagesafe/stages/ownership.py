@@ -42,28 +42,27 @@ def claim_folder(
     resume_from: str | None,
     overwrite: bool,
 ) -> str:
-    """The folder this run writes its handoff to, the same on every rank (a collective: every rank calls it).
-    ``named``: the user passed ``uri`` (refused when another run's handoff is there); else it is the default
-    folder (a versioned one is taken instead)."""
+    """The folder this run writes its handoff to (a collective: every rank calls it). Rank 0 looks at its own
+    ``uri`` and decides for every rank: each keeps its own folder, or takes the same version of it (a rank
+    that does not see rank 0's folder never reads its own). ``named``: the user passed ``uri`` (refused when
+    another run's handoff is there); else it is the default folder (a versioned one is taken instead)."""
     options = dict(storage_options or {})
 
-    def decide() -> tuple[str, str | None]:
+    def decide() -> tuple[int, str | None]:
         candidate, version = uri, 0
         while True:
             other = _another_runs(candidate, options, resume_from=resume_from, overwrite=overwrite)
             if other is None:
-                return candidate, None
-            if named:
-                return candidate, _refusal(candidate, other)
+                return version, None
+            if named or version >= _MAX_VERSIONS:
+                return version, _refusal(candidate, other)
             version += 1
-            if version > _MAX_VERSIONS:
-                return candidate, _refusal(candidate, other)
             candidate = versioned(uri, version)
 
-    chosen, refusal = collectives.on_rank_zero(decide, f"looking at the handoff folder {uri}")
+    version, refusal = collectives.on_rank_zero(decide, f"looking at the handoff folder {uri}")
     if refusal is not None:
         raise HandoffExistsError(refusal)  # on every rank, before any step
-    return chosen
+    return versioned(uri, version) if version else uri
 
 
 def _another_runs(

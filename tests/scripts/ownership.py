@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
+from faults import _leave_at_once  # noqa: E402
 from toy import ToyModule, dataloader  # noqa: E402
 
 import stagesafe  # noqa: E402
@@ -63,6 +64,7 @@ def main() -> None:
     rec["uri"] = report.uri if report is not None else None
     rec["global_step"] = int(trainer.global_step)
     print("RECORD " + json.dumps(rec), flush=True)
+    _leave_at_once()  # the handoff is joined; gloo may abort tearing down the group of a call refused at entry
 
 
 if __name__ == "__main__":
