@@ -195,12 +195,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exc:  # --help, --version
         return int(exc.code or 0)
 
-    from stagesafe.errors import HandoffCorruptError, StageSafeError, StorageTransferError
+    from stagesafe.errors import HandoffCorruptError, HandoffNotReadyError, StageSafeError, StorageTransferError
 
     try:
         return {"consolidate": _consolidate, "inspect": _inspect, "verify": _verify}[args.command](args)
-    except (HandoffCorruptError, StorageTransferError) as exc:  # failed verification; the store or the disk failed
-        return _fail(exc, EXIT_FAILED)
+    except (HandoffCorruptError, HandoffNotReadyError, StorageTransferError) as exc:  # failed verification, an
+        return _fail(exc, EXIT_FAILED)  # index behind its commit; the store or the disk failed
     except StageSafeError as exc:
         return _fail(exc, EXIT_USAGE)
     except (OSError, MemoryError) as exc:  # disk full, file too large, read-only: not the input, not a bug either

@@ -15,14 +15,14 @@ whose rounding defines the result; :func:`load_zero_checkpoint` returns tensors,
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.commit import commit
 from stagesafe.handoff.folder import HandoffFolder
-from stagesafe.handoff.fs import join, list_files, resolve, url_of
+from stagesafe.handoff.fs import list_files, resolve, url_of
 from stagesafe.handoff.manifest import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -32,7 +32,7 @@ from stagesafe.handoff.manifest import (
     parse_size,
 )
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
-from stagesafe.handoff.read import read_manifest
+from stagesafe.handoff.read import committed_shards, read_manifest
 from stagesafe.handoff.shards import Pieces, write_shards
 from stagesafe.progress import bytes_bar
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
@@ -112,9 +112,9 @@ def consolidate(
         try:
             return commit(fs, root, plan, records, metadata=_metadata(ckpt, out_dtype, exclude_frozen))
         except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
-            if not taken and not _exists(fs, join(root, MANIFEST_NAME)):  # no handoff there, before or now
+            if not taken and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
                 HandoffFolder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
-            raise  # else the index and the shards are an interrupted save's, which the next save cleans up
+            raise  # else the shards are an interrupted save's, which the next save cleans up
 
 
 def load_zero_checkpoint(
@@ -290,10 +290,12 @@ def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str])
     )
 
 
-def _exists(fs: Any, path: str) -> bool:
+def _committed_here(fs: Any, root: str, files: Iterable[str]) -> bool:
+    """Whether the manifest in ``root`` names any of ``files``: a commit that failed may still have landed. When
+    the store cannot say, it did, so that nothing is removed."""
     try:
-        return fs.exists(path)
-    except Exception:  # noqa: BLE001 - the store is failing: say it exists, so nothing is removed
+        return bool(committed_shards(HandoffFolder(fs, root)) & set(files))
+    except Exception:  # noqa: BLE001 - the store is failing
         return True
 
 

@@ -27,13 +27,19 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.errors import DistributedStageError, EngineReleasedError, InvalidArgumentError
+from stagesafe.errors import (
+    DistributedStageError,
+    EngineReleasedError,
+    HandoffNotReadyError,
+    InvalidArgumentError,
+    describe,
+)
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
-from stagesafe.trainer_messages import boundary_line, say_committed, warn_if_fit_has_nothing_left
+from stagesafe.trainer_messages import boundary_line, say_committed, say_versioned, warn_if_fit_has_nothing_left
 from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
@@ -46,6 +52,7 @@ from stagesafe.strategy_arguments import (
 from stagesafe.stages.between_calls import has_meta_tensors, kept_files, kept_training, weights_between_calls
 from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
+from stagesafe.stages.ownership import claim_folder
 from stagesafe.stages.writer import HandoffWriter
 from stagesafe.zero import engine as zero_engine
 from stagesafe.zero.checkpoint_writer import (
@@ -93,6 +100,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             and ``fit(ckpt_path=path)`` continues exactly (8 bytes per parameter over the ranks with AdamW: its
             fp32 masters are the module's own values). The next ``fit`` lets it go as it starts. ``False`` saves
             that host memory; such a checkpoint then holds weights only, and ``save_checkpoint`` warns.
+        overwrite_handoff: ``False`` (default): a committed handoff of another run at ``handoff_uri`` is never
+            replaced: a ``handoff_uri`` you named is refused at the first call with
+            :class:`~stagesafe.HandoffExistsError`, the default folder gives way to ``stagesafe_handoff-v1``,
+            ``-v2``, ... ``True`` replaces it.
         check_host_memory: ``True`` (default): before the first step of ``fit`` every rank asks its host for
             the memory the end of the stage adds (the ranks of a host together, within ``MemAvailable`` and any
             cgroup limit), and on a shortfall every rank raises :class:`~stagesafe.HostMemoryError` naming the
@@ -112,6 +123,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         wait_for_write: bool = False,
         keep_optimizer_state: bool = True,
         check_host_memory: bool = True,
+        overwrite_handoff: bool = False,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> None:
@@ -136,6 +148,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self.keep_optimizer_state = checked_bool("keep_optimizer_state", keep_optimizer_state)
         self.check_host_memory = checked_bool("check_host_memory", check_host_memory)
         checked_bool("exclude_frozen_parameters", self.exclude_frozen_parameters)  # Lightning's; the handoff honours it
+        self.overwrite_handoff = checked_bool("overwrite_handoff", overwrite_handoff)
+        self._claimed: dict[str, str] = {}  # the folder asked for -> the one this run writes (see ownership)
         self._writer: HandoffWriter | None = None
         self._location: tuple[str, Location] | None = None
         self._boundary: StageBoundary | None = None
@@ -246,11 +260,18 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         )
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
-        uri = self.handoff_uri
-        if uri is None:
-            root = str(trainer.default_root_dir)
-            uri = root.rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
-        return HandoffTarget(uri=uri, storage_options=self.storage_options, max_shard_size=self.max_shard_size)
+        """The folder this run writes: claimed once (:mod:`~stagesafe.stages.ownership`), every rank together."""
+        asked = self.handoff_uri
+        if asked is None:
+            asked = str(trainer.default_root_dir).rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
+        if asked not in self._claimed:
+            uri = claim_folder(asked, self.storage_options, named=self.handoff_uri is not None,
+                               resume_from=self.resume_from, overwrite=self.overwrite_handoff)
+            if uri != asked:
+                say_versioned(asked, uri)
+            self._claimed[asked] = uri
+        return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options,
+                             max_shard_size=self.max_shard_size)
 
     def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """The stage and step that a stage's new weights come from, for the handoff's metadata."""
@@ -540,16 +561,40 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     def wait_for_handoff(self) -> None:
         """Return once the last stage's handoff is committed (raise its failure on every rank). Call it on
-        every rank, e.g. before another process reads the handoff."""
+        every rank, e.g. before another process reads the handoff. Once a write failed, every later call
+        raises :class:`~stagesafe.HandoffNotReadyError` until a write commits or
+        :meth:`acknowledge_handoff_failure` is called: the folder does not hold the module's weights."""
+        try:
+            for writer in self._writers():
+                writer.call_returned()
+                writer.join()
+        finally:
+            if self.last_boundary is not None:
+                self._log_boundary(self.last_boundary, waited=True)
+        failed = self._handoff_failure()
+        if failed is not None:
+            uri, error = failed
+            raise HandoffNotReadyError(
+                f"the last handoff write to {uri!r} failed ({describe(error)}): the folder holds the handoff "
+                "committed before it, if any, not the module's weights. The next Trainer call writes them again; "
+                "or call strategy.acknowledge_handoff_failure() to go on without them"
+            ) from error
+
+    def acknowledge_handoff_failure(self) -> None:
+        """Go on after a failed handoff write: ``wait_for_handoff()`` and the boundary's log line stop saying
+        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them."""
         for writer in self._writers():
-            writer.call_returned()
-            writer.join()
-        if self.last_boundary is not None:
-            self._log_boundary(self.last_boundary, waited=True)
+            writer.failed = None
+
+    def _handoff_failure(self) -> tuple[str, BaseException] | None:
+        """The failure of the last joined write, while no write since has committed and the user has not
+        acknowledged it (this strategy's writer; before its first call, the writer of the module's last handoff)."""
+        writers = self._writers()
+        return writers[0].failed if writers else None
 
     def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
         if self.is_global_zero:
-            log.info("%s", boundary_line(report, waited=waited))
+            log.info("%s", boundary_line(report, waited=waited, failed=self._handoff_failure()))
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""

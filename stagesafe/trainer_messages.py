@@ -8,12 +8,14 @@ from typing import TYPE_CHECKING, Any
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from stagesafe.errors import describe
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from stagesafe.stages.boundary import BoundaryReport
 
-__all__ = ["boundary_line", "megabytes", "say_committed", "warn_if_fit_has_nothing_left"]
+__all__ = ["boundary_line", "megabytes", "say_committed", "say_versioned", "warn_if_fit_has_nothing_left"]
 
 
 def say_committed(uri: str, commit: Any, seconds: float) -> None:
@@ -24,8 +26,24 @@ def say_committed(uri: str, commit: Any, seconds: float) -> None:
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")
 
 
-def boundary_line(report: "BoundaryReport", *, waited: bool) -> str:
-    """One line for a stage's boundary: how long it took, and whether the handoff was written."""
+def say_versioned(asked: str, uri: str) -> None:
+    """Rank 0's line when the default handoff folder holds another run's handoff and this run writes beside it."""
+    rank_zero_info(
+        f"stagesafe: {asked} holds a handoff of another run, which is kept; this run's handoff is written to {uri} "
+        "(strategy.last_boundary.uri names it)"
+    )
+
+
+def boundary_line(report: "BoundaryReport", *, waited: bool, failed: tuple[str, BaseException] | None = None) -> str:
+    """One line for a stage's boundary: how long it took, and whether the handoff was written. ``failed``: the
+    URL and error of a write that failed and that no commit since has made good: the line says so."""
+    if failed is not None:
+        uri, error = failed
+        clean = "" if report.clean else f"; NOT clean: {report.stale_problems}"
+        return (
+            f"stagesafe: {report.stage} boundary {report.seconds:.2f}s; handoff write FAILED at {uri} "
+            f"({describe(error)}): it does not hold the module's weights{clean}"
+        )
     if report.wrote and not waited:
         written = "being written in the background"
     else:

@@ -508,11 +508,11 @@ def test_an_output_that_cannot_be_written_is_exit_1_and_left_as_it_was(world_rea
 
 def test_a_commit_that_fails_in_an_empty_destination_leaves_no_shard_behind(ckpts, tmp_path, capsys):
     dst = tmp_path / "out"
-    (dst / "model.safetensors.index.json").mkdir(parents=True)  # the index cannot be renamed into place
+    (dst / "stagesafe.json").mkdir(parents=True)  # the manifest cannot be renamed into place: no commit
     code, _, err = run(capsys, "consolidate", ckpts["s3"]["path"], str(dst), "--max-shard-size", "2KB", "--overwrite")
     assert code == 1, err
-    assert_one_error_line(err, "model.safetensors.index.json")
-    assert os.listdir(dst) == ["model.safetensors.index.json"]  # the shards written before the commit are gone
+    assert_one_error_line(err, "stagesafe.json")
+    assert os.listdir(dst) == ["stagesafe.json"]  # the shards written before the commit are gone
 
 
 _NO_AWS = {"AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": "/nonexistent", "AWS_SHARED_CREDENTIALS_FILE":
@@ -555,3 +555,18 @@ def test_progress_counts_in_the_units_the_summary_prints(capsys):
     shown = str(bar)
     bar.close()
     assert "470M" in shown and "449M" not in shown  # "470.5 MB" in the summary line: decimal, not MiB
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_a_destination_under_a_regular_file_is_one_line_naming_the_real_cause(ckpts, tmp_path, overwrite):
+    """The command as a user runs it (its log lines reach stderr): nothing before the one error line."""
+    blocker = tmp_path / "notes.txt"
+    blocker.write_text("a file, not a folder")
+    import subprocess
+
+    entry = [sys.executable, "-c", "import stagesafe.cli as c; c.run()"]
+    command = [*entry, "consolidate", ckpts["s3"]["path"], str(blocker / "out"), "-q", *overwrite]
+    result = subprocess.run(command, capture_output=True, text=True, env=sanitized_env(), timeout=120, check=False)
+    assert result.returncode == 1, result.stderr
+    assert_one_error_line(result.stderr, "notes.txt", "Not a directory")
+    assert blocker.read_text() == "a file, not a folder"

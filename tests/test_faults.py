@@ -67,6 +67,34 @@ def test_a_failed_background_write_is_raised_by_the_next_fit_on_every_rank(tmpfs
     assert records[0][3]["handoff_digest"] == records[0][2]["digest"]
 
 
+def test_after_a_failed_write_every_later_wait_and_boundary_line_say_so_until_acknowledged(tmpfs, tmp_path):
+    handoff = _full_disk(tmpfs)
+    results, records = _run("disk_full_wait_again", tmp_path, handoff)
+    for rank in (0, 1):
+        fit, first, second, third, acknowledged = records[rank]
+        assert fit["error"] is None
+        assert ("No space left" if rank == 0 else "failed on rank 0") in _error(first)
+        for again in (second, third):  # the old tree: returned as if the handoff held the weights
+            assert again["error"]["type"] == "HandoffNotReadyError", _error(again)
+            assert "No space left" in again["error"]["message"] or "failed on rank 0" in again["error"]["message"]
+            assert "acknowledge_handoff_failure()" in again["error"]["message"]
+        assert acknowledged["error"] is None
+    lines = [line for line in results[0].stderr.splitlines() if "fit boundary" in line]
+    assert len(lines) == 5, lines  # the call's own, then one per wait
+    assert all("handoff write FAILED" in line for line in lines[1:4]), lines
+    assert "FAILED" not in lines[4] and "written at" in lines[4], lines
+
+
+def test_rank_0_killed_during_the_background_write_is_named_on_rank_1_as_a_distributed_stage_error(tmp_path):
+    results, records = _run("rank0_killed_mid_write", tmp_path, expect_ok=False)
+    assert results[0].returncode == -9
+    fit, joined = records[1]
+    assert fit["error"] is None
+    assert joined["error"]["type"] == "DistributedStageError", _error(joined)  # the old tree: DistNetworkError
+    assert "rank 0 did not answer" in joined["error"]["message"] and "stagesafe verify" in joined["error"]["message"]
+    assert not os.path.exists(os.path.join(tmp_path, "handoff", "stagesafe.json"))  # nothing committed
+
+
 def test_a_deleted_handoff_is_written_again_by_the_next_stage(tmp_path):
     _, records = _run("vanished", tmp_path)
     fit, joined, test, rejoined = records[0]

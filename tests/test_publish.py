@@ -12,6 +12,7 @@ from _tensors import assert_bitwise_equal
 from stagesafe.stages.boundary import BoundaryReport
 from stagesafe.stages.channel import JobChannel
 from stagesafe.stages.history import HandoffTarget, new_history, state_tensors
+from stagesafe.stages.ownership import RUN
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
 from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.writer import HandoffWriter
@@ -85,4 +86,4 @@ def test_rank_zero_writes_alone_now_and_every_rank_forgets_the_handoff_holds_the
     assert report.wrote and not writer.pending and history.fingerprint is None
     assert stagesafe.read_manifest(uri)["metadata"] == handoff_metadata(history)
     assert handoff_metadata(history) == {"stage": "fit", "global_step": 4, "original_dtypes": {
-        "0.weight": "float32", "1.weight": "float32", "2.weight": "float32", "2.bias": "float32"}}
+        "0.weight": "float32", "1.weight": "float32", "2.weight": "float32", "2.bias": "float32"}, "run": RUN}

@@ -33,6 +33,7 @@ from stagesafe.handoff.fs import list_files, resolve
 from stagesafe.cli import main as cli_main
 from stagesafe.errors import (
     HandoffCorruptError,
+    HandoffNotReadyError,
     InvalidArgumentError,
     StorageTransferError,
 )
@@ -94,7 +95,7 @@ def writer_error(stdout: str) -> dict:
 
 # -- a writer killed with SIGKILL in the middle of a save -----------------------------------------------------------
 
-KILL_POINTS = ["mid_shard", "shard_written", "index_written"]
+KILL_POINTS = ["mid_shard", "shard_written"]
 
 
 def _location(kind: str, tmp_path, request) -> tuple[str, dict | None]:
@@ -127,11 +128,10 @@ def test_a_writer_killed_mid_save_leaves_the_previous_handoff_intact_and_the_nex
     # Readers see the previous handoff, whole.
     assert read_manifest(url, storage_options=options) == old
     assert_bitwise_equal(load_state_dict(url, storage_options=options), old_sd)
-    if point == "index_written":  # the index is the killed save's: loaders following it would read its shards
-        with pytest.raises(HandoffCorruptError, match="interrupted before its manifest.*--fix-index"):
-            verify(url, storage_options=options)
-        assert verify(url, storage_options=options, fix_index=True) == old
     assert verify(url, storage_options=options) == old
+    state, tensors = index_reader(url, options)  # the index never names the killed save's shards
+    assert state == "whole"
+    assert_bitwise_equal(tensors, old_sd)
     # A later save removes what the killed writer left, once it is old.
     age_leftovers(url, keep={*old["shards"], INDEX, MANIFEST})
     new_sd = small_state_dict(3)
@@ -140,20 +140,111 @@ def test_a_writer_killed_mid_save_leaves_the_previous_handoff_intact_and_the_nex
     assert_bitwise_equal(load_state_dict(url, storage_options=options), new_sd)
 
 
+def index_reader(url: str, options: dict | None = None) -> tuple[str, dict[str, torch.Tensor]]:
+    """What a loader that follows the Hugging Face index gets: the index's JSON, then every file it names read
+    with safetensors. ``("whole", tensors)`` when each named file holds exactly the tensors the index puts
+    there; otherwise what went wrong."""
+    from safetensors.torch import load
+
+    fs, root = resolve(url, options)
+    weight_map = json.loads(fs.cat_file(f"{root}/{INDEX}"))["weight_map"]
+    tensors: dict[str, torch.Tensor] = {}
+    for file in set(weight_map.values()):
+        try:
+            held = load(fs.cat_file(f"{root}/{file}"))
+        except Exception as exc:  # noqa: BLE001 - a missing or unreadable file, said as such
+            return f"{file}: {exc}", tensors
+        if set(held) != {n for n, named in weight_map.items() if named == file}:
+            return f"{file} holds other tensors", tensors
+        tensors.update(held)
+    return "whole", dict(sorted(tensors.items()))
+
+
 @pytest.mark.slow
-def test_a_writer_killed_after_its_commit_leaves_the_new_handoff_and_the_old_files_are_cleaned(tmp_path):
+@pytest.mark.parametrize("point", ["manifest_written", "index_written"])
+def test_a_writer_killed_after_its_commit_leaves_the_new_handoff_an_index_of_a_whole_save_and_the_old_files_are_cleaned(
+    tmp_path, point
+):
+    """Killed between its manifest and its index, the index still names the handoff before, whole: verify says
+    so without calling it damage, names the repair, and the repair follows the commit."""
     url = str(tmp_path / "handoff")
     old = save_state_dict(small_state_dict(1), url, max_shard_size="8KB")
-    code, out, err = writer(url, "kill@manifest_written")
+    code, out, err = writer(url, f"kill@{point}")
     assert code == -signal.SIGKILL, (code, out, err[-2000:])
     new = read_manifest(url)
     assert set(new["shards"]).isdisjoint(old["shards"])
     assert files(url) == {*old["shards"], *new["shards"], INDEX, MANIFEST}  # the old generation is still there
     assert_bitwise_equal(load_state_dict(url), big_state_dict(seed=2))
+    if point == "manifest_written":
+        state, tensors = index_reader(url)
+        assert state == "whole"
+        assert_bitwise_equal(tensors, small_state_dict(1))
+        with pytest.raises(HandoffNotReadyError, match="interrupted between its commit and its index.*--fix-index"):
+            verify(url)
+        assert verify(url, fix_index=True) == new
+    state, tensors = index_reader(url)
+    assert state == "whole"
+    assert_bitwise_equal(tensors, big_state_dict(seed=2))
     assert verify(url) == new
     age_leftovers(url, keep={*new["shards"], INDEX, MANIFEST})
     last = save_state_dict(small_state_dict(3), url, overwrite=True)
     assert files(url) == {*last["shards"], INDEX, MANIFEST}
+
+
+@pytest.mark.slow
+def test_an_index_reader_after_any_kill_of_a_saving_loop_gets_one_whole_committed_save_and_verify_never_says_corrupt(
+    tmp_path,
+):
+    """A writer saves generation after generation over one folder and is killed from outside, 12 times: the
+    moment its index or its manifest is renamed into place (as close as a parent can watch), or at a random
+    moment. Each time the index names one whole save, one that committed (the one committed now, or the one
+    before it, whose files are still there), and verify calls nothing damaged."""
+    import random
+
+    from faulty_writer import generation
+
+    url = str(tmp_path / "handoff")
+    save_state_dict(generation(0), url, max_shard_size="8KB")
+    now, seen = 0, 0  # the committed save and the one the index names
+    rng = random.Random(38)
+    for round_ in range(12):
+        first, before_round, seen_before = now + 1, now, seen
+        proc = subprocess.Popen([sys.executable, WRITER, url, f"loop@{first}"], env=sanitized_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline().strip() == "WRITING", proc.stderr.read()[-2000:]
+        watched = (INDEX, MANIFEST, None)[round_ % 3]
+        if watched is None:
+            time.sleep(rng.uniform(0.05, 0.4))
+        else:
+            _wait_for_a_new(os.path.join(url, watched), proc)
+        proc.kill()
+        proc.communicate(timeout=30)
+        now = int(load_state_dict(url)["layer0.weight"][0])
+        state, tensors = index_reader(url)
+        assert state == "whole", state
+        (seen,) = {int(t[0]) for t in tensors.values()}
+        assert_bitwise_equal(tensors, generation(seen))  # one save, whole
+        # the committed save, or the one committed just before it
+        if now == before_round:
+            assert seen in (now, seen_before), (seen, now)
+        else:
+            assert seen in (now, now - 1 if now > first else before_round), (seen, now)
+        try:
+            verify(url)
+        except HandoffNotReadyError as exc:
+            assert "--fix-index" in str(exc) and seen != now, exc
+
+
+def _wait_for_a_new(path: str, proc: subprocess.Popen) -> None:
+    """Return once the file at ``path`` is another file than now (an atomic rename put a new one there)."""
+    first = os.stat(path).st_ino
+    deadline = time.monotonic() + 30
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if os.stat(path).st_ino != first:
+                return
+        except FileNotFoundError:
+            continue
 
 
 def _partial_shard(folder: str) -> str | None:

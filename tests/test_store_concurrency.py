@@ -7,6 +7,7 @@ replaced under them. Real processes on a real folder (and memory:// for the read
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import threading
@@ -163,6 +164,28 @@ def test_a_handoff_replaced_while_its_shards_are_read_is_read_whole_by_verify_as
     else:
         assert set(stagesafe.load_state_dict(uri)) == set(_state(0))
     assert len(commits) == 1  # read whole at the first attempt, as the shard's descriptor was open
+
+
+def test_fix_index_never_writes_the_index_of_a_manifest_a_commit_replaced_while_it_verified(tmp_path, monkeypatch):
+    """``verify --fix-index`` on a handoff whose index is damaged, while another writer commits a new handoff
+    there (right after verify opens the old shard): the index ends up the new commit's, never the old one's."""
+    uri = str(tmp_path / "handoff")
+    old = stagesafe.save_state_dict(_state(0), uri)
+    index_path = os.path.join(uri, "model.safetensors.index.json")
+    with open(index_path) as f:
+        index = json.load(f)
+    index["metadata"]["total_size"] += 1  # damaged
+    with open(index_path, "w") as f:
+        json.dump(index, f)
+    commits = _commit_after_each_shard_open(monkeypatch, uri, rounds=1)
+    verified = stagesafe.verify(uri, fix_index=True)
+    monkeypatch.undo()
+    now = stagesafe.read_manifest(uri)
+    assert len(commits) == 1 and now != old
+    assert verified == now  # verify went on to the handoff committed now
+    with open(index_path) as f:
+        assert json.load(f)["weight_map"] == now["weight_map"]
+    assert stagesafe.verify(uri) == now
 
 
 def test_a_handoff_replaced_before_every_read_of_a_shard_is_said_busy_not_damaged(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ all read and write handoffs through these modules, one job each:
   :mod:`~stagesafe.handoff.codec`: the safetensors header; :mod:`~stagesafe.handoff.digest`: the shards' hashes.
 - :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path.
 - :mod:`~stagesafe.handoff.shards`: writing shard files, the one parallel shard writer.
-- :mod:`~stagesafe.handoff.commit`: publishing written shards (index, then manifest), deleting what it replaced.
+- :mod:`~stagesafe.handoff.commit`: publishing written shards (manifest, then index), deleting what it replaced.
 - :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``, the steps composed.
 - :mod:`~stagesafe.handoff.read`: ``read_manifest``, ``load_state_dict``, ``HandoffReader``, ``check_present``.
 - :mod:`~stagesafe.handoff.verify`: ``verify``, every shard re-hashed, the index checked.

@@ -1,9 +1,10 @@
-"""Committing a handoff whose shards are written: the index, then the manifest ``stagesafe.json``, whose presence
-and content define the handoff; only after it, the replaced handoff's files are deleted.
+"""Committing a handoff whose shards are written: the manifest ``stagesafe.json``, whose presence and content
+define the handoff, then the Hugging Face index; only after both, the replaced handoff's files are deleted.
 
-A reader sees the old handoff or the new one, never a mix. Two writers committing to one folder at once never
-mix their files: each writes shards of its own names, the last manifest wins whole, and the index is made to
-follow it (:func:`commit_handoff`).
+A reader sees the old handoff or the new one, never a mix. The index follows the commit, so that at any point a
+writer may die it names the committed shards or those of the commit before, still in place: never a save that
+did not commit. Two writers committing to one folder at once never mix their files: each writes shards of its
+own names, the last manifest wins whole, and the index is made to follow it (:func:`commit_handoff`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from stagesafe.handoff.read import committed_manifest, committed_shards
 from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.handoff.shards import ShardRecord
 
-__all__ = ["Commit", "commit", "commit_handoff", "remove_replaced", "write_index"]
+__all__ = ["Commit", "commit", "commit_handoff", "index_follows_the_manifest", "remove_replaced", "write_index"]
 
 log = logging.getLogger(__name__)
 
@@ -78,17 +79,17 @@ def commit_handoff(
     metadata: Mapping[str, Any] | None = None,
     retry: RetryPolicy | None = None,
 ) -> Commit:
-    """Publish a handoff whose shards are all written: the index, then the manifest (the commit), then the
-    index again if another writer's commit got in between, so that the two always end up agreeing.
+    """Publish a handoff whose shards are all written: the manifest (the commit), then the index, written again
+    while another writer's commit got in between, so that the two always end up agreeing.
 
     Deletes nothing: the files of the handoff it replaced are in the returned :class:`Commit`, for
-    :func:`remove_replaced`. If writing the index or the manifest fails, the new shards stay where they are
-    (the manifest may have reached the store); a later save deletes them once they are old.
+    :func:`remove_replaced`. If writing the manifest fails, the new shards stay where they are (the manifest may
+    have reached the store); a later save deletes them once they are old. Until the index is written it names
+    the replaced handoff, whose files stay until then.
     """
     folder = HandoffFolder(fs, root, check_retry(retry))
     manifest = _manifest(folder, plan, shard_records, metadata)
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
-    write_index(folder, manifest)
     replaced = committed_shards(folder)
     text = (json.dumps(manifest, indent=2) + "\n").encode()
     folder.transfer(
@@ -100,9 +101,13 @@ def commit_handoff(
     )
     fsync_dir(fs, root)
     try:
-        _index_follows_the_manifest(folder)
+        index_follows_the_manifest(folder)
     except Exception as exc:  # noqa: BLE001 - committed: a stale index is repaired by the next save
-        log.warning("stagesafe: committed %s, but could not check its %s (%s)", folder.url, INDEX_NAME, exc)
+        log.warning(
+            "stagesafe: committed %s, but could not write its %s (%s); loaders that follow the index read the "
+            "handoff before this one until `stagesafe verify --fix-index %s` or the next save rewrites it",
+            folder.url, INDEX_NAME, exc, folder.url,
+        )
     return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])))
 
 
@@ -164,12 +169,12 @@ def _manifest(
     )
 
 
-def _index_follows_the_manifest(folder: HandoffFolder) -> None:
+def index_follows_the_manifest(folder: HandoffFolder) -> None:
     """Make the index describe the committed manifest, whichever writer committed last.
 
-    Each writer writes its index before its manifest; with two writers at once, the last index written may
-    belong to the commit that lost. After its own commit, a writer looks again, and rewrites the index from
-    the manifest it finds until the two agree: the last writer to look always sees the last commit.
+    Each writer writes its index after its manifest; with two writers at once, the last index written may
+    belong to the commit that lost. A writer looks at the manifest, and writes the index from the manifest it
+    finds until the two agree: the last writer to look always sees the last commit.
     """
     for _ in range(_INDEX_ROUNDS):
         try:

@@ -217,7 +217,7 @@ def _remove(fs: fsspec.AbstractFileSystem, path: str) -> None:
     """Best effort: the handoff is committed (or never was); a file left over is cleaned by the next save."""
     try:
         fs.rm_file(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # not there: a path under a regular file cannot be either
         pass
     except Exception as exc:  # noqa: BLE001 - any storage client's error (botocore's are not OSErrors)
         log.warning("stagesafe: could not delete stale file %s (%s); the next save retries", basename(path), exc)

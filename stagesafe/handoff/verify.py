@@ -12,13 +12,14 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import IO, Any
 
-from stagesafe.errors import HandoffCorruptError, shown
+from stagesafe.errors import HandoffCorruptError, HandoffNotReadyError, shown
 from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import codec
 from stagesafe.handoff import digest as _digest
-from stagesafe.handoff.commit import write_index
+from stagesafe.handoff.commit import index_follows_the_manifest, write_index
 from stagesafe.handoff.folder import HandoffFolder, check_workers, each
 from stagesafe.handoff.manifest import INDEX_NAME, digest_of, is_shard_name
 from stagesafe.handoff.read import (
@@ -39,7 +40,7 @@ __all__ = ["verify"]
 
 log = logging.getLogger(__name__)
 
-_COMMIT_GRACE = 2.0  # seconds an index that differs from the manifest may wait for the commit it belongs to
+_COMMIT_GRACE = 2.0  # seconds an index that differs from the manifest may wait for its writer to write it
 
 
 def verify(
@@ -54,9 +55,11 @@ def verify(
     """Re-hash every shard of the handoff at ``uri`` against its manifest, check their contents and the index.
 
     Streams each shard, ``workers`` at a time (default: 4 on a remote filesystem, 1 on a local disk), so memory
-    stays bounded. Raises ``HandoffCorruptError`` naming the shard and what differs; returns the manifest.
-    ``fix_index``: an index that differs from the manifest is rewritten from it (once the shards verified)
-    instead of being an error. ``progress``: a bar on stderr (default: on a terminal).
+    stays bounded. Raises ``HandoffCorruptError`` naming the shard and what differs; returns the manifest. An
+    index that names another save's shards, whole and in place (a save interrupted between its commit and its
+    index), is no damage: ``HandoffNotReadyError`` says so and names the repair. ``fix_index``: an index that
+    differs from the manifest is rewritten from it (once the shards verified, and only while that manifest is
+    still the committed one) instead of being an error. ``progress``: a bar on stderr (default: on a terminal).
     """
     fix_index = checked_flag("fix_index", fix_index)
     progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
@@ -85,29 +88,63 @@ def _verify(
     # rewrites the index too, and only one read just after the manifest's can be expected to match it.
     stale = _index_difference(folder, manifest)
     each(list(manifest["shards"]), check, workers)
-    if stale is not None and fix_index:
-        write_index(folder, manifest)
-        log.warning("stagesafe: %s; it was rewritten from the manifest", stale)
-    elif stale is not None:
-        _wait_for_a_commit(folder, manifest)  # a writer between its index and its manifest: read again after it
-        raise HandoffCorruptError(
-            f"{stale}. Loaders that follow the index (transformers, safetensors' sharded loaders) would read "
-            "other tensors than the handoff holds; its shards verified against the manifest. Rewrite the index "
-            f"from the manifest: stagesafe verify --fix-index {folder.url} (or stagesafe.verify(url, "
-            "fix_index=True)), or save the handoff again"
+    if stale is not None:
+        stale = _after_a_moment(folder, manifest, stale)  # a writer between its manifest and its index
+    if stale is None:
+        return manifest
+    if fix_index:
+        _rewrite_index(folder, manifest)
+        log.warning("stagesafe: %s; it was rewritten from the manifest", stale.text)
+        return manifest
+    repair = (
+        f"Rewrite the index from the manifest: stagesafe verify --fix-index {folder.url} (or stagesafe.verify(url, "
+        "fix_index=True)), or save the handoff again"
+    )
+    if stale.interrupted:
+        raise HandoffNotReadyError(
+            f"{stale.text}. Nothing is damaged: the handoff's shards verified against the manifest, and loaders "
+            f"that follow the index (transformers, safetensors' sharded loaders) read that whole older save. {repair}"
         )
-    return manifest
+    raise HandoffCorruptError(
+        f"{stale.text}. Loaders that follow the index (transformers, safetensors' sharded loaders) would read "
+        f"other tensors than the handoff holds; its shards verified against the manifest. {repair}"
+    )
 
 
-def _wait_for_a_commit(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
-    """Return once the committed manifest differs from ``manifest``, or after a short grace: a save writes its
-    index just before its manifest, so an index that differs may be one whose commit lands a moment later (the
-    caller then reads the new handoff), and only one that stays is an interrupted save's."""
+@dataclass(frozen=True)
+class _IndexDifference:
+    """How the index differs from the committed manifest. ``interrupted``: it is whole, the index of a set of
+    shards all still in place, such as a save interrupted between its commit and its index leaves (nothing is
+    damaged); otherwise the index itself is damaged."""
+
+    text: str
+    interrupted: bool = False
+
+
+def _after_a_moment(folder: HandoffFolder, manifest: Mapping[str, Any], stale: _IndexDifference) -> _IndexDifference | None:
+    """The index's difference once a writer in the middle of a commit had a moment to finish it: a save writes
+    its index just after its manifest, so only a difference that stays is an interrupted save's. A handoff
+    replaced meanwhile is verified again from its new manifest."""
     deadline = time.monotonic() + _COMMIT_GRACE
-    while time.monotonic() < deadline:
-        time.sleep(0.02)
+    while True:
         if fetch_manifest(folder) != manifest:
-            return
+            raise ShardVanished(f"{folder.url!r} was replaced while it was verified")  # verified again, the new one
+        if stale is None or time.monotonic() >= deadline:
+            return stale
+        time.sleep(0.02)
+        stale = _index_difference(folder, manifest)
+
+
+def _rewrite_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
+    """``--fix-index``: write the index of ``manifest`` only while it is still the committed one. A writer that
+    committed meanwhile writes its own index; should its commit land between the look and the write, the index
+    is made to follow it, and the new handoff is verified in its turn."""
+    if fetch_manifest(folder) != manifest:
+        raise ShardVanished(f"{folder.url!r} was replaced while it was verified")
+    write_index(folder, manifest)
+    if fetch_manifest(folder) != manifest:
+        index_follows_the_manifest(folder)
+        raise ShardVanished(f"{folder.url!r} was replaced while its index was rewritten")
 
 
 def _verify_shard(
@@ -155,7 +192,7 @@ def _hash_file(
     return hexdigest, len(head) + rest, header
 
 
-def _index_difference(folder: HandoffFolder, manifest: Mapping[str, Any]) -> str | None:
+def _index_difference(folder: HandoffFolder, manifest: Mapping[str, Any]) -> _IndexDifference | None:
     """How the Hugging Face index differs from the manifest (loaders read the index, not the manifest), or
     None where they agree. A missing or malformed index says so."""
     where = f"{folder.url}/{INDEX_NAME}"
@@ -165,19 +202,25 @@ def _index_difference(folder: HandoffFolder, manifest: Mapping[str, Any]) -> str
             what=f"read {where}",
         )
     except FileNotFoundError:
-        return f"{where} is missing"
+        return _IndexDifference(f"{where} is missing (a first save interrupted between its commit and its index "
+                                "leaves none)", interrupted=True)
     try:
         weight_map, total_size = _index_entries(parse_json(raw, where), where)
     except HandoffCorruptError as exc:
-        return str(exc).removesuffix("; write the handoff again")
+        return _IndexDifference(str(exc).removesuffix("; write the handoff again"))
     if weight_map != manifest["weight_map"]:
-        interrupted = _index_of_an_interrupted_save(folder, weight_map, where)
-        return (
-            f"{where} differs from the committed manifest: {_weight_map_difference(weight_map, manifest['weight_map'])}"
-            + (" (it is the index of a later save that was interrupted before its manifest)" if interrupted else "")
+        difference = f"{where} differs from the committed manifest: " + _weight_map_difference(
+            weight_map, manifest["weight_map"]
         )
+        if _index_of_an_interrupted_save(folder, weight_map, where):
+            return _IndexDifference(
+                f"{difference}. It is the index of another save, whole and still in place: a save was interrupted "
+                "between its commit and its index (or, by an earlier stagesafe, before its manifest)",
+                interrupted=True,
+            )
+        return _IndexDifference(difference)
     if total_size != manifest["total_size"]:
-        return f"{where} says total_size {total_size}, the manifest {manifest['total_size']}"
+        return _IndexDifference(f"{where} says total_size {total_size}, the manifest {manifest['total_size']}")
     return None
 
 
@@ -215,7 +258,8 @@ def _index_entries(index: Any, where: str) -> tuple[dict[str, str], int]:
 
 def _index_of_an_interrupted_save(folder: HandoffFolder, weight_map: Mapping[str, str], where: str) -> bool:
     """True when every shard the index names exists and holds exactly the tensors the index puts there: the
-    index of a complete set of shards whose manifest was never written (the writer died between the two).
+    index of a complete set of shards, such as the commit before a save that died between its manifest and its
+    index leaves (or, written by an older stagesafe, a save that died between its index and its manifest).
     A shard that is not a regular file inside the folder is refused, not read."""
     by_shard: dict[str, set[str]] = {}
     for name, file_name in weight_map.items():

@@ -19,6 +19,7 @@ from stagesafe.handoff.save import save_state_dict, save_streamed
 from stagesafe.stages import collectives
 from stagesafe.stages.engine_weights import StreamedValues
 from stagesafe.stages.history import HandoffTarget, ModuleHistory, state_tensors
+from stagesafe.stages.ownership import RUN
 from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 from stagesafe.zero import engine as zero_engine
@@ -27,9 +28,10 @@ __all__ = ["HandoffPublisher", "handoff_metadata"]
 
 
 def handoff_metadata(history: ModuleHistory) -> dict[str, Any]:
-    """The handoff's metadata: where its weights come from, and the module's original dtypes."""
+    """The handoff's metadata: where its weights come from, the module's original dtypes, and the run that
+    writes it (:mod:`~stagesafe.stages.ownership`)."""
     dtypes = {n: str(dtype).removeprefix("torch.") for n, (dtype, _) in history.original.items()}
-    return {**history.weights_from, "original_dtypes": dtypes}
+    return {**history.weights_from, "original_dtypes": dtypes, "run": dict(RUN)}
 
 
 class HandoffPublisher:

@@ -162,6 +162,7 @@ class HandoffWriter:
         self._write: _Write | None = None
         self._alone: tuple[JobChannel, str] | None = None  # rank 0's lone write after a failed call, not yet awaited
         self._exit_hook = False
+        self.failed: tuple[str, BaseException] | None = None  # the last joined write's URL and failure, until one commits
 
     @property
     def rank(self) -> int:
@@ -270,8 +271,15 @@ class HandoffWriter:
         try:
             write.channel.wait(["outcome"], what=f"{what}: rank 0's commit")
             word = write.channel.outcome("outcome")
-        except Exception as exc:  # noqa: BLE001 - rank 0 gone or the store unreachable: the write failed here
+        except DistributedStageError as exc:  # the wait's own bound: it names what it waited for
             return exc
+        except Exception as exc:  # noqa: BLE001 - whatever the transport says (gloo's DistNetworkError, ...):
+            return DistributedStageError(  # rank 0, which hosts the job's store, is gone or unreachable
+                f"{what}: rank 0 did not answer ({describe(exc)}); it may have died before or during its commit. "
+                f"Whether the handoff was committed is unknown: run stagesafe verify {write.uri}, then restart the job "
+                "(resume_from=<the handoff's URL>)",
+                failures={0: describe(exc)},
+            )
         if error is not None or word.ok:
             return error
         return DistributedStageError(
@@ -394,11 +402,14 @@ class HandoffWriter:
             return None
         self.finish_threads(write)
         try:
-            return write.committed.result(timeout=0)
-        except BaseException:  # noqa: BLE001 - re-raised; after an interrupt too the handoff may never hold
+            done = write.committed.result(timeout=0)
+        except BaseException as exc:  # noqa: BLE001 - re-raised; after an interrupt too the handoff may never hold
+            self.failed = (write.uri, exc)  # said by every later wait until a write commits or the user acknowledges
             if write.request.on_failed is not None:  # these weights: on_failed forgets that it does
                 write.request.on_failed()
             raise
+        self.failed = None
+        return done
 
     # -- exit ---------------------------------------------------------------------------------------------
     def _register_exit_hook(self) -> None:

@@ -3,6 +3,10 @@
 Usage: python faults.py CASE ROOT [HANDOFF_URI]
   disk_full_at_exit    fit, whose handoff (on a disk too small for it) fails in the background; the script ends.
   disk_full_then_fit   the same, then another fit: its entry raises the failure; a fit after that writes again.
+  rank0_killed_mid_write  rank 0 kills itself with SIGKILL as it is about to commit the background write after
+                       fit; rank 1 records what wait_for_handoff() raises, then leaves at once.
+  disk_full_wait_again  fit, whose handoff fails (disk full); wait_for_handoff() three times, then
+                       acknowledge_handoff_failure() and once more. Rank 0 logs the boundary lines on stderr.
   vanished             fit, wait; the handoff folder is deleted; test: the stage writes it again.
   vanished_meta        the same with between_stages="meta": test raises HandoffNotFoundError.
   failed_write_metadata  fit (4 steps) whose write fails (disk full), then the disk is freed (rank 0 deletes
@@ -104,6 +108,23 @@ def main() -> None:
         t2.strategy.wait_for_handoff()
         record("joined", module, lambda: None, handoff=os.path.join(root, "elsewhere"))
         return
+    if case == "rank0_killed_mid_write":
+        if RANK == 0:
+            _die_before_the_commit()
+        record("fit", module, fit)
+        record("joined", module, t.strategy.wait_for_handoff)
+        os._exit(0)  # rank 0 is gone: no teardown of the process group
+    if case == "disk_full_wait_again":
+        import logging
+
+        logging.basicConfig(level=logging.WARNING)
+        logging.getLogger("stagesafe").setLevel(logging.INFO)
+        record("fit", module, fit)
+        for _ in range(3):
+            record("joined", module, t.strategy.wait_for_handoff)
+        t.strategy.acknowledge_handoff_failure()
+        record("joined", module, t.strategy.wait_for_handoff)
+        return
     if case in ("vanished", "vanished_meta"):
         record("fit", module, fit)
         t.strategy.wait_for_handoff()
@@ -137,6 +158,23 @@ def main() -> None:
         record("test", module, test)
         _leave_at_once()
     raise SystemExit(f"unknown case {case!r}")
+
+
+def _die_before_the_commit() -> None:
+    """This process sends itself SIGKILL as it is about to write the manifest: the killed rank only chooses when."""
+    import signal
+
+    from stagesafe.handoff import folder
+    from stagesafe.handoff.manifest import MANIFEST_NAME
+
+    real = folder.write_atomic
+
+    def write_atomic(fs, path, data):
+        if path.rsplit("/", 1)[-1] == MANIFEST_NAME:
+            os.kill(os.getpid(), signal.SIGKILL)
+        real(fs, path, data)
+
+    folder.write_atomic = write_atomic
 
 
 def _leave_at_once() -> None:

@@ -9,6 +9,8 @@ MODE:
   written), ``index_written`` (every shard and the new index are in place, the manifest is not),
   ``manifest_written`` (the new manifest is committed; the previous generation is not deleted yet).
 - ``slow``: no fault; prints ``WRITING`` and saves, for a parent that kills it from outside at any moment.
+- ``loop@<first>``: no fault; saves :func:`generation` ``first``, ``first + 1``, ... over each other, printing
+  ``SAVED <n>`` after each, until a parent kills it from outside.
 - ``fsize=<bytes>``: RLIMIT_FSIZE caps the size of any file this process writes (SIGXFSZ ignored, so writes
   fail with EFBIG, as on a full quota).
 - ``nobody``: run as the unprivileged user ``nobody`` (when started as root; otherwise as is), so that a folder
@@ -43,6 +45,11 @@ def big_state_dict(seed: int, n: int = 6, numel: int = NUMEL) -> dict[str, torch
     """Distinct bytes per seed and tensor; every bit pattern (NaN payloads too) is a valid float32."""
     base = torch.arange(numel, dtype=torch.int32) * 2654435761
     return {f"layer{i}.weight": (base ^ (seed * 7919 + i)).view(torch.float32) for i in range(n)}
+
+
+def generation(n: int) -> dict[str, torch.Tensor]:
+    """Save number ``n`` of the ``loop`` mode: 3 small shards, every element of every tensor equal to ``n``."""
+    return {f"layer{i}.weight": torch.full((2048,), float(n)) for i in range(3)}
 
 
 def _die() -> None:
@@ -90,6 +97,13 @@ def main() -> None:
         _kill_at(mode.removeprefix("kill@"))
     elif mode == "slow":
         print("WRITING", flush=True)
+    elif mode.startswith("loop@"):
+        print("WRITING", flush=True)
+        n = int(mode.removeprefix("loop@"))
+        while True:
+            save_state_dict(generation(n), url, max_shard_size="8KB", storage_options=options, overwrite=True)
+            print(f"SAVED {n}", flush=True)
+            n += 1
     elif mode.startswith("fsize=") or mode == "nobody":
         if mode == "nobody":
             if os.geteuid() == 0:
