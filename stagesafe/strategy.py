@@ -477,7 +477,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         _validate_checkpoint_directory(checkpoint_path)  # Lightning's FileNotFoundError, with its hints
         path = os.fspath(checkpoint_path)
         if self._fitting and not is_weights_only(path):
-            return super().load_checkpoint(checkpoint_path, weights_only)  # DeepSpeed's own, optimizer included
+            return self._load_training_checkpoint(path)
         # DeepSpeed cannot load a checkpoint into an inference engine (its ZeRO-Offload optimizer has no
         # _restore_from_bit16_weights), nor one written between stages (no optimizer state in it): read the
         # fp32 weights ourselves and load them into the partitions.
@@ -491,6 +491,22 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         values, client_state = load_zero_checkpoint_with_client_state(path)
         client_state = dict(client_state)
         client_state["state_dict"] = values
+        return client_state
+
+    def _load_training_checkpoint(self, path: str) -> dict[str, Any]:
+        """``fit(ckpt_path=path)``: this rank's share of the checkpoint (written by any number of ranks, by stagesafe,
+        stock Lightning or DeepSpeed) read by stagesafe's reader and re-partitioned for this job, then loaded into
+        the engine by DeepSpeed's own methods: weights, fp32 masters, optimizer state, loss scaler and counters.
+        Every rank reads before any loads: a checkpoint one rank refuses is refused on every rank, unchanged.
+        Returns the client state (Lightning's loops, lr schedulers, callbacks, ...)."""
+        engine = self.deepspeed_engine
+        files, client_state = collectives.all_ranks(
+            lambda: zero_engine.read_rank_files(engine, path),
+            f"reading the checkpoint {path} (every rank reads its share of it: a node-local folder is not visible "
+            "from other nodes; save it to shared storage)",
+        )
+        assert self.lightning_module is not None
+        zero_engine.load_rank_files(engine, files, strict=self.lightning_module.strict_loading)
         return client_state
 
     @override

@@ -85,6 +85,7 @@ class ZeroCheckpoint:
         )
         self._client_state: dict[str, Any] = {}
         self._sources = tensors.sources
+        self.described = tensors  #: every rank file's structure as read (:mod:`.checkpoint_optimizer` reads it)
         self._files = files
         self._staging_dir = staging_dir
 
@@ -136,6 +137,10 @@ class ZeroCheckpoint:
         read from the rank files when the iteration reaches it (iterate once), to be written without joining them
         into one tensor. Needs no torch (a 16-bit buffer is widened to fp32 by :mod:`stagesafe.zero.widen`)."""
         return _read_in_runs(self._sources[name], self.tensors[name].dtype)
+
+    def sources(self, name: str) -> tuple[Piece, ...]:
+        """The runs of the rank files that hold the stored tensor ``name``'s flat values, in order."""
+        return self._sources[name]
 
     def iter_tensors(self, names: Iterable[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """``(name, tensor)`` for the stored tensors (default: all, in order), one at a time."""
@@ -240,6 +245,12 @@ def _as_format_error(tag_url: str) -> Iterator[None]:
             f"{clip(str(exc), 160)}); they were crafted or damaged, or written by a DeepSpeed stagesafe does "
             "not read"
         ) from None
+
+
+def materialized(file: RankFile, value: Any) -> Any:
+    """``value``, read from ``file``'s pickle by the safe reader, as ``torch.load`` gives it (imports torch): its
+    tensors read, sizes, dtypes and devices as torch's; classes stagesafe does not import stay stand-ins."""
+    return _materialize(file, value)
 
 
 def _read_in_runs(pieces: Sequence[Piece], dtype: str) -> Iterator[memoryview]:

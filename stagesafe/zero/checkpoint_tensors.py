@@ -99,6 +99,12 @@ class CheckpointTensors:
     sources: dict[str, tuple[Piece, ...]]
     client_file: RankFile  # rank 0's model states, which hold the client state
     client_state: dict[str, Any]  # its entries that are not DeepSpeed's, as the pickle reader built them
+    # what the optimizer state is read through (:mod:`.checkpoint_optimizer`): ``partitions[rank][group]`` is the
+    # rank's flat fp32 partition of a group (the very records the params' pieces name), ``optimizer_states[rank]``
+    # its optimizer file's ``optimizer_state_dict`` and ``model_states`` every model-states file, as read
+    partitions: tuple[tuple[tuple[RankFile, TensorRecord], ...], ...] = ()
+    optimizer_states: tuple[tuple[RankFile, Mapping[str, Any]], ...] = ()
+    model_states: tuple[tuple[RankFile, Mapping[str, Any]], ...] = ()
 
 
 def client_entries(states: Mapping[str, Any]) -> dict[str, Any]:
@@ -156,6 +162,9 @@ def describe(files: RankFiles, names: RankFileNames, *, exclude_frozen: bool) ->
         sources=tensors.sources,
         client_file=model0_file,
         client_state=client_entries(model0),
+        partitions=tuple(tuple(groups) for groups in partitions.flat),
+        optimizer_states=tuple(partitions.states),
+        model_states=tuple(models),
     )
 
 
@@ -216,6 +225,7 @@ class _Partitions:
     world_size: int
     flat: list[list[tuple[RankFile, TensorRecord]]]
     paddings: Any  # stage 1/2: per group, the alignment padding after each param (as rank 0 says), or None
+    states: list[tuple[RankFile, Mapping[str, Any]]]  # per rank: its file and its optimizer_state_dict
 
 
 def _read_partitions(files: RankFiles, names: RankFileNames) -> _Partitions:
@@ -239,11 +249,12 @@ def _read_partitions(files: RankFiles, names: RankFileNames) -> _Partitions:
             f"{'3' if names.zero3_model else '1/2'}; files of two runs are mixed, save into an empty folder"
         )
     groups_key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
-    flat = []
+    flat, states = [], []
     for rank in range(world_size):
         loaded = (first_file, first) if rank == 0 and min(names.optim) == 0 else files.load(names.optim[rank])
         flat.append(_flat_groups(*loaded, groups_key))
-    return _Partitions(stage, world_size, flat, osd0.get("param_alignment_paddings"))
+        states.append((loaded[0], loaded[1].get("optimizer_state_dict")))
+    return _Partitions(stage, world_size, flat, osd0.get("param_alignment_paddings"), states)
 
 
 def _flat_groups(file: RankFile, states: dict, groups_key: str) -> list[tuple[RankFile, TensorRecord]]:

@@ -9,7 +9,8 @@ ZeRO (:mod:`.parameters`), the state an engine leaves on a module and taking it 
 stale state, strip, destroy), the weights read out of a live engine (:mod:`.values_out`: full specs, gathered
 values, fp32 masters) and put into one (:mod:`.values_in`: partitions from values, loaded values, masters set), and
 the engine's own checkpoint files (:mod:`.checkpoint_state`; ZeRO-3's fp32 master partitions in them as recipes,
-:mod:`.fp32_partitions`). Callers use the names below, from this package.
+:mod:`.fp32_partitions`), and a checkpoint folder of any world size put into a live engine through them
+(:mod:`.checkpoint_load`). Callers use the names below, from this package.
 """
 
 from stagesafe.zero.engine.checkpoint_state import (
@@ -21,6 +22,7 @@ from stagesafe.zero.engine.checkpoint_state import (
     checkpoint_files_later,
     foreseen_state_specs,
 )
+from stagesafe.zero.engine.checkpoint_load import load_rank_files, read_rank_files
 from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
 from stagesafe.zero.engine.traces import (
@@ -62,4 +64,6 @@ __all__ = [
     "foreseen_state_specs",
     "PartitionRecipe",
     "built_partitions",
+    "read_rank_files",
+    "load_rank_files",
 ]

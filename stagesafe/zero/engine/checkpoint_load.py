@@ -1,0 +1,366 @@
+"""A ZeRO checkpoint put into a live engine, written by any number of ranks, read without running its pickles.
+
+:func:`rank_files` builds this rank's files of the checkpoint in the form DeepSpeed's ``save_checkpoint`` writes
+them for this engine (the form :func:`~stagesafe.zero.engine.checkpoint_state.checkpoint_files` keeps them in at
+a stage's end: file name -> state): its model states (the counters, the module's buffers and placeholders, this
+rank's fragments of the frozen parameters) and its optimizer partition (the fp32 masters, every per-element state
+of the optimizer such as Adam's moments, the step counts, the param groups' hyperparameters, the loss scaler),
+each flat partition filled parameter by parameter from the checkpoint's state
+(:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`), whatever number of ranks wrote it. Only this
+rank's partition is ever in memory. :func:`load_rank_files` then loads them with DeepSpeed's own methods, in the
+order its ``load_checkpoint`` does after reading its files with ``torch.load`` (which runs code a file names).
+
+What cannot be put into this engine is refused before anything is changed, naming what differs: another ZeRO
+stage, parameters the checkpoint lacks or holds beyond the model's, other shapes, other param groups, another
+optimizer class (other hyperparameters), optimizer state that is not per parameter.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, shown
+from stagesafe.zero.checkpoint import open_zero_checkpoint
+from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
+from stagesafe.zero.pickle_globals import OpaqueRecord
+
+__all__ = ["FlatPartition", "partition_layout", "rank_files", "read_rank_files", "load_rank_files"]
+
+log = logging.getLogger(__name__)
+
+# Hyperparameters a scheduler adds to a param group: not the optimizer's own.
+_SCHEDULER_KEYS = {"params", "initial_lr"}
+
+
+@dataclass(frozen=True)
+class FlatPartition:
+    """One flat partition of this rank's optimizer: ``numel`` elements (padding included) of param group
+    ``group``, of which DeepSpeed saves the first ``saved`` as the fp32 master partition; ``slices`` are (name,
+    offset in the flat, first element of the flattened full value, elements)."""
+
+    group: int
+    numel: int
+    saved: int
+    slices: tuple[tuple[str, int, int, int], ...]
+
+
+def _names(engine: Any) -> dict[int, str]:
+    """id of a parameter -> the name DeepSpeed saves it under (the first of tied names)."""
+    return {id(p): n for p, n in engine.param_names.items()}
+
+
+def _zero3(engine: Any) -> bool:
+    return bool(engine.zero_optimization_partition_weights())
+
+
+def partition_layout(engine: Any) -> list[FlatPartition]:
+    """Where each trained parameter's elements lie in this rank's flat partitions (ZeRO 1/2: a param group's
+    rank partition of its flat buffer; ZeRO-3: a sub-group's partitions of its parameters, in order)."""
+    import torch.distributed as dist
+
+    optimizer, names = engine.optimizer, _names(engine)
+    out = []
+    if _zero3(engine):
+        for index, (flat, params) in enumerate(zip(optimizer.fp32_partitioned_groups_flat, optimizer.fp16_groups)):
+            slices = []
+            for param in params:
+                _, offset, count = (int(x) for x in optimizer.grad_position[optimizer.get_param_id(param)])
+                first = dist.get_rank(group=optimizer._get_param_partition_group(param)) * count
+                real = max(0, min(count, int(param.ds_numel) - first))
+                if real:
+                    slices.append((names[id(param)], offset, first, real))
+            group = int(optimizer.sub_group_to_group_id[index])
+            out.append(FlatPartition(group, flat.numel(), flat.numel(), tuple(slices)))
+        return out
+    for index, params in enumerate(optimizer.round_robin_bit16_groups):
+        size = int(optimizer.partition_size[index])
+        low = dist.get_rank(group=optimizer.real_dp_process_group[index]) * size
+        slices = []
+        for param, offset, meta in zip(params, optimizer.round_robin_bit16_offsets[index],
+                                       optimizer.round_robin_bit16_meta[index]):
+            start, end = max(low, offset), min(low + size, offset + meta.numel())
+            if start < end:
+                slices.append((names[id(param)], start - low, start - offset, end - start))
+        out.append(FlatPartition(index, size, size - int(optimizer.groups_padding[index]), tuple(slices)))
+    return out
+
+
+def read_rank_files(engine: Any, path: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
+    """This rank's files of the checkpoint folder ``path`` (any number of ranks wrote it) for ``engine``, and the
+    client state of its model states (Lightning's entries), all read by stagesafe's reader: see the module."""
+    with open_zero_checkpoint(path) as ckpt:
+        source = CheckpointOptimizer(ckpt)
+        files = rank_files(engine, source)
+        model_name = _model_name(engine)
+        client = ckpt.client_state
+        files[model_name] = {**client, **files[model_name]}
+        return files, client
+
+
+def rank_files(engine: Any, source: CheckpointOptimizer) -> dict[str, dict[str, Any]]:
+    """This rank's checkpoint files for ``engine``, built from ``source`` (see the module): {file name: state}."""
+    _check_engine(engine, source)
+    layout = partition_layout(engine)
+    _check_parameters(engine, source)
+    optimizer_state = _optimizer_state(engine, source, layout)
+    model_states = {
+        **source.model_states(),
+        "frozen_param_fragments": _frozen(engine, source),
+    }
+    from deepspeed.git_version_info import version
+
+    optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": version}
+    return {_model_name(engine): model_states, os.path.basename(engine._get_zero_ckpt_name("", "")): optim}
+
+
+def load_rank_files(engine: Any, files: Mapping[str, Mapping[str, Any]], *, strict: bool = True) -> None:
+    """Load this rank's checkpoint ``files`` (:func:`rank_files`' form) into the live ``engine`` with DeepSpeed's
+    own methods, as ``engine.load_checkpoint`` does once it has read its files: the module (buffers, frozen
+    fragments), the engine's counters, the optimizer partition (masters, state, loss scaler; the 16-bit
+    partitions from the masters). A collective under ZeRO-3 (its parameters are partitioned first and the
+    persistent ones gathered after)."""
+    import torch.distributed as dist
+
+    model = files[_model_name(engine)]
+    optimizer_state = files[os.path.basename(engine._get_zero_ckpt_name("", ""))]["optimizer_state_dict"]
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    engine.load_module_state_dict(checkpoint=dict(model), strict=strict)
+    engine.loaded_checkpoint_dp_world_size = model["dp_world_size"]
+    engine.loaded_checkpoint_mp_world_size = model["mp_world_size"]
+    engine.global_steps = model["global_steps"]
+    engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
+    engine.skipped_steps = model["skipped_steps"]
+    group = engine.optimizer.dp_process_group
+    state_dict_list: list[Any] = [None] * dist.get_world_size(group=group)
+    state_dict_list[dist.get_rank(group=group)] = optimizer_state
+    engine.optimizer.load_state_dict(
+        state_dict_list=state_dict_list,
+        load_optimizer_states=True,
+        load_from_fp32_weights=engine.zero_load_from_fp32_weights(),
+        checkpoint_folder=None,
+        param_shapes=engine._get_zero_param_shapes(),
+    )
+    if engine._optimizer_has_ckpt_event_epilogue():
+        engine.optimizer.checkpoint_event_epilogue()
+
+
+# -- checks ----------------------------------------------------------------------------------------------------------
+
+
+def _check_engine(engine: Any, source: CheckpointOptimizer) -> None:
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    optimizer = engine.optimizer
+    if not isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        raise InvalidArgumentError(
+            f"this engine's optimizer is DeepSpeed's {type(optimizer).__name__}, whose checkpoint stagesafe does not "
+            "load (it loads those of the ZeRO 1/2 and ZeRO-3 optimizers; ZeRO-1 with bf16 uses BF16_Optimizer)"
+        )
+    if engine.zero_nvme_offload_optimizer() or engine.has_moe_layers:
+        raise InvalidArgumentError(
+            "this engine swaps its optimizer state to NVMe or has MoE layers; stagesafe does not load checkpoints "
+            "into such an engine"
+        )
+    stage = 3 if _zero3(engine) else int(engine.zero_optimization_stage())
+    if (stage == 3) != (source.stage == 3):
+        raise CheckpointFormatError(
+            f"{source.tag_url!r} was written under ZeRO stage {source.stage} and this engine runs stage {stage}: "
+            "their partitions differ in kind. Resume with the stage that wrote it, or consolidate it "
+            "(stagesafe consolidate) and resume_from= the weights"
+        )
+
+
+def _check_parameters(engine: Any, source: CheckpointOptimizer) -> None:
+    """The checkpoint's trained parameters are this engine's, with their shapes and param groups."""
+    specs = source.specs
+    trained = {n: s for n, s in specs.items() if s.kind == "param"}
+    ours = {name: (shape, group) for name, shape, group in _trained_parameters(engine)}  # full shape, param group
+    groups = engine.optimizer.optimizer.param_groups
+    missing, extra = sorted(set(ours) - set(trained)), sorted(set(trained) - set(ours))
+    if missing or extra:
+        frozen = [n for n in missing if n in specs]
+        raise CheckpointFormatError(
+            f"{source.tag_url!r} does not hold this model's trained parameters: "
+            + "; ".join(
+                part for part in (
+                    f"missing {_few(missing)}" if missing else "",
+                    f"of which frozen in the checkpoint: {_few(frozen)}" if frozen else "",
+                    f"held but not trained by this model: {_few(extra)}" if extra else "",
+                ) if part
+            )
+            + ". A checkpoint resumes the model and optimizer that wrote it"
+        )
+    shapes = [f"{n} {list(trained[n].shape)} in the checkpoint, {list(s)} here" for n, (s, _) in ours.items()
+              if tuple(trained[n].shape) != tuple(s)]
+    if shapes:
+        raise CheckpointFormatError(f"{source.tag_url!r} holds other shapes than this model: {_few(shapes)}")
+    if source.param_groups is not None and len(source.param_groups) != len(groups):
+        raise CheckpointFormatError(
+            f"{source.tag_url!r} holds {len(source.param_groups)} optimizer param group(s), this optimizer has "
+            f"{len(groups)}"
+        )
+    moved = [f"{n} (group {source.param_group_of(n)} there, {g} here)" for n, (_, g) in ours.items()
+             if source.param_group_of(n) != g]
+    if moved:
+        raise CheckpointFormatError(f"{source.tag_url!r} puts parameters in other param groups: {_few(moved)}")
+    if source.param_groups is not None:
+        for index, (saved, live) in enumerate(zip(source.param_groups, groups)):
+            differ = (set(saved) ^ set(live)) - _SCHEDULER_KEYS
+            if differ:
+                raise CheckpointFormatError(
+                    f"{source.tag_url!r} was written by another optimizer: its param group {index} has the "
+                    f"hyperparameters {sorted(set(saved) - _SCHEDULER_KEYS)}, this "
+                    f"{type(engine.optimizer.optimizer).__name__}'s {sorted(set(live) - _SCHEDULER_KEYS)}"
+                )
+
+
+def _trained_parameters(engine: Any) -> list[tuple[str, tuple[int, ...], int]]:
+    """(name, full shape, param group) of every parameter this engine's optimizer trains."""
+    optimizer, names = engine.optimizer, _names(engine)
+    out = []
+    if _zero3(engine):
+        for index, params in enumerate(optimizer.fp16_groups):
+            group = int(optimizer.sub_group_to_group_id[index])
+            out.extend((names[id(p)], tuple(p.ds_shape), group) for p in params)
+    else:
+        for index, params in enumerate(optimizer.bit16_groups):
+            out.extend((names[id(p)], tuple(p.shape), index) for p in params)
+    return out
+
+
+def _few(items: list[str]) -> str:
+    return ", ".join(shown(i, 120) for i in items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
+
+
+# -- building ---------------------------------------------------------------------------------------------------------
+
+
+def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[FlatPartition]) -> dict[str, Any]:
+    """This rank's ZeRO optimizer state dict, as the engine's ``optimizer.state_dict()`` would give it."""
+    optimizer = engine.optimizer
+    base_state: dict[int, dict[str, Any]] = {}
+    masters = []
+    for index, part in enumerate(layout):
+        state = dict(source.values(source.partition_of_group(part.group)))
+        for key in source.element_keys:
+            state[key] = _filled(source, part, key, part.numel)
+        master = _filled(source, part, None, part.numel)
+        masters.append(master if part.saved == part.numel else master[: part.saved].clone())
+        if state:
+            base_state[index] = state
+    groups = _param_groups(engine, source)
+    global_state = dict(source.global_state)
+    global_state["loss_scaler"] = _loss_scaler(optimizer.loss_scaler, global_state.get("loss_scaler"))
+    if _zero3(engine):
+        return {
+            "zero_stage": 3,
+            "loss_scaler": global_state["loss_scaler"],
+            "dynamic_loss_scale": global_state.get("dynamic_loss_scale", optimizer.dynamic_loss_scale),
+            "overflow": global_state.get("overflow", optimizer.overflow),
+            "partition_count": optimizer.partition_count,
+            "optimizer_state_dict": {"state": base_state, "param_groups": groups},
+            "fp32_flat_groups": masters,
+        }
+    return {
+        "loss_scaler": global_state["loss_scaler"],
+        "dynamic_loss_scale": global_state.get("dynamic_loss_scale", optimizer.dynamic_loss_scale),
+        "overflow": global_state.get("overflow", optimizer.overflow),
+        "clip_grad": global_state.get("clip_grad", optimizer.clip_grad),
+        "base_optimizer_state": {"state": base_state, "param_groups": groups},
+        "single_partition_of_fp32_groups": masters,
+        "zero_stage": 2 if optimizer.partition_gradients else 1,
+        "group_paddings": list(optimizer.groups_padding),
+        "param_alignment_paddings": optimizer.round_robin_bit16_padding,
+        "partition_count": optimizer.partition_count,
+        "ds_version": global_state.get("ds_version") or _version(),
+        "param_slice_mappings": getattr(optimizer, "_param_slice_mappings", None),
+    }
+
+
+def _filled(source: CheckpointOptimizer, part: FlatPartition, key: str | None, numel: int) -> torch.Tensor:
+    """A flat partition of ``key`` (None: the fp32 masters), each parameter's slice read from the checkpoint,
+    zeros where DeepSpeed pads."""
+    dtype = getattr(torch, source.element_dtypes[key] if key is not None else source.master_dtype)
+    flat = torch.zeros(numel, dtype=dtype)
+    for name, offset, first, count in part.slices:
+        source.read_into(name, key, first, flat.narrow(0, offset, count))
+    return flat
+
+
+def _param_groups(engine: Any, source: CheckpointOptimizer) -> list[dict[str, Any]]:
+    """The torch optimizer's param groups as this engine's ``state_dict`` numbers their flat partitions, with
+    the checkpoint's hyperparameters (the lr the schedule reached, ...)."""
+    optimizer = engine.optimizer
+    if _zero3(engine):
+        optimizer._set_fp32_optimizer_param_groups()
+        try:
+            live = optimizer.optimizer.state_dict()["param_groups"]
+        finally:
+            optimizer._clear_fp32_optimizer_param_groups()
+    else:
+        live = optimizer.optimizer.state_dict()["param_groups"]
+    if source.param_groups is None:
+        return live
+    return [{**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
+            for saved, group in zip(source.param_groups, live)]
+
+
+def _frozen(engine: Any, source: CheckpointOptimizer) -> dict[str, torch.Tensor] | None:
+    """The frozen parameters as this rank's model states hold them: ZeRO-3 its fragment of each, ZeRO 1/2 the
+    whole values; None where the checkpoint left them out (``exclude_frozen_parameters``)."""
+    if not source.has_frozen:
+        return None
+    if not _zero3(engine):
+        return source.frozen_fragments()
+    import torch.distributed as dist
+
+    optimizer, names, out = engine.optimizer, _names(engine), {}
+    for param in engine.module.parameters():
+        if param.requires_grad or not hasattr(param, "ds_tensor"):
+            continue
+        name = names[id(param)]
+        spec = source.specs.get(name)
+        if spec is None or spec.kind != "frozen":
+            raise CheckpointFormatError(f"{source.tag_url!r} does not hold the frozen parameter {shown(name)}")
+        size = param.ds_tensor.numel()
+        first = dist.get_rank(group=optimizer._get_param_partition_group(param)) * size
+        fragment = torch.zeros(size, dtype=getattr(torch, spec.dtype))
+        real = max(0, min(size, int(param.ds_numel) - first))
+        source.read_into(name, None, first, fragment.narrow(0, 0, real))
+        out[name] = fragment
+    return out
+
+
+def _loss_scaler(live: Any, saved: Any) -> Any:
+    """The engine's loss scaler with the checkpoint's values (its scale, iteration counts): the file's object is
+    a stand-in, never built from the file's class."""
+    scaler = copy.copy(live)
+    if not isinstance(saved, OpaqueRecord):
+        return scaler
+    if saved._stands_for.rsplit(".", 1)[-1] != type(live).__name__:
+        log.warning("stagesafe: the checkpoint's loss scaler is a %s, this engine's a %s: the engine's is kept",
+                    saved._stands_for, type(live).__name__)
+        return scaler
+    for name, value in saved._attributes.items():
+        if name in vars(scaler) and type(value) in (int, float, bool):
+            setattr(scaler, name, value)
+    return scaler
+
+
+def _model_name(engine: Any) -> str:
+    return os.path.basename(engine._get_ckpt_name("", ""))
+
+
+def _version() -> str:
+    from deepspeed.git_version_info import version
+
+    return version

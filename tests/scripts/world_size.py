@@ -1,0 +1,134 @@
+"""Continue training on another number of ranks: save on N, resume on M (tests/test_world_size.py).
+
+Usage: python world_size.py PHASE OUT STAGE RANKS [WRITER]
+PHASE ``save``: a fit of one epoch on RANKS CPU ranks (bf16-mixed, AdamW with weight decay, an lr halving every
+  3 steps), then ``trainer.save_checkpoint(OUT/ckpt)`` under WRITER (``stagesafe``, the default, or ``stock``:
+  Lightning's own DeepSpeedStrategy, the CPU-enabled base class). At the end of the fit, while the engine lives,
+  rank 0 records the full fp32 masters and Adam moments (DeepSpeed's ``safe_get_full_*``) in
+  ``OUT/saved.safetensors`` and the step and lr in ``OUT/saved.json``.
+PHASE ``resume``: a new module on RANKS ranks, ``fit(ckpt_path=OUT/ckpt, max_epochs=2)`` under stagesafe; when
+  training starts (the checkpoint restored, no step yet) rank 0 records the same in ``OUT/resumed-M.*``, and at the
+  end the losses of every step and the handoff's weights in ``OUT/after-M.*``.
+Lightning starts the other ranks by running this command line again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+from toy import ToyModule, dataloader  # noqa: E402
+
+import stagesafe  # noqa: E402
+from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
+from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+
+
+class AdamWModule(ToyModule):
+    """The toy model, AdamW with weight decay and an lr that halves every 3 steps; its losses recorded."""
+
+    losses: list
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Record(pl.Callback):
+    """The engine's full fp32 masters, Adam moments, step and lr, gathered on every rank, kept by rank 0."""
+
+    def __init__(self, hook: str, path: str) -> None:
+        self.hook, self.path = hook, path
+
+    def on_train_start(self, trainer, module):
+        if self.hook == "start":
+            record(trainer, module, self.path)
+
+    def on_train_end(self, trainer, module):
+        if self.hook == "end":
+            record(trainer, module, self.path)
+
+
+def record(trainer: pl.Trainer, module: pl.LightningModule, path: str) -> None:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    link = getattr(trainer.strategy.deepspeed_engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link is not None:  # ZeRO 1/2 links each parameter to its optimizer state at the first step: now, to read it
+        link()
+    values = {}
+    for name, param in module.named_parameters():
+        if not param.requires_grad:
+            continue
+        values[f"master/{name}"] = safe_get_full_fp32_param(param).detach().cpu().clone()
+        for key in ("exp_avg", "exp_avg_sq"):
+            state = safe_get_full_optimizer_state(param, key)
+            values[f"{key}/{name}"] = state.detach().cpu().clone()
+    optimizer = trainer.optimizers[0]
+    inner = optimizer.optimizer if hasattr(optimizer, "optimizer") else optimizer
+    steps = sorted({float(s["step"]) for s in inner.state.values() if "step" in s})
+    facts = {"global_step": trainer.global_step, "lr": [g["lr"] for g in inner.param_groups], "steps": steps,
+             "epoch": trainer.current_epoch}
+    if dist.get_rank() == 0:
+        save_file({k: v.contiguous() for k, v in values.items()}, f"{path}.safetensors")
+        with open(f"{path}.json", "w") as f:
+            json.dump(facts, f)
+    dist.barrier()
+
+
+def trainer(strategy, ranks: int, callback: pl.Callback, max_epochs: int) -> pl.Trainer:
+    return pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=ranks, precision="bf16-mixed", max_epochs=max_epochs,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[callback],
+    )
+
+
+def new_module() -> AdamWModule:
+    pl.seed_everything(7, verbose=False)
+    module = AdamWModule(lr=1e-2)
+    module.losses = []
+    return module
+
+
+def main() -> None:
+    phase, out, stage, ranks, *rest = sys.argv[1:]
+    stage, ranks, writer = int(stage), int(ranks), (rest[0] if rest else "stagesafe")
+    os.makedirs(out, exist_ok=True)
+    module = new_module()
+    if phase == "save":
+        strategy = (StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/saved-handoff") if writer == "stagesafe"
+                    else CPUCapableDeepSpeedStrategy(stage=stage))
+        t = trainer(strategy, ranks, Record("end", f"{out}/saved"), max_epochs=1)
+        t.fit(module, dataloader())
+        t.save_checkpoint(f"{out}/ckpt")
+    else:
+        strategy = StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/after-{ranks}-handoff", overwrite_handoff=True)
+        t = trainer(strategy, ranks, Record("start", f"{out}/resumed-{ranks}"), max_epochs=2)
+        t.fit(module, dataloader(), ckpt_path=f"{out}/ckpt")
+        t.strategy.wait_for_handoff()
+        losses = [None] * ranks
+        dist.all_gather_object(losses, module.losses)
+        if dist.get_rank() == 0:
+            with open(f"{out}/after-{ranks}.json", "w") as f:
+                json.dump({"losses": losses, "global_step": t.global_step}, f)
+            values = stagesafe.load_state_dict(f"{out}/after-{ranks}-handoff")
+            save_file({k: v.contiguous() for k, v in values.items()}, f"{out}/after-{ranks}.safetensors")
+    if dist.get_rank() == 0:
+        print("DONE", phase, ranks)
+
+
+if __name__ == "__main__":
+    main()
