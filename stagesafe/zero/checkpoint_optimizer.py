@@ -127,7 +127,9 @@ class CheckpointOptimizer:
             take = min(piece.length - skip, need - done)
             record = piece.tensor if key is None else self._element_record(piece.tensor, key, name)
             if record.itemsize != itemsize:
-                raise CheckpointFormatError(f"{self.tag_url!r}: {key or 'the master'} of {shown(name)} is {record.dtype}")
+                raise CheckpointFormatError(
+                    f"{self.tag_url!r}: {key or 'the master'} of {shown(name)} is {record.dtype}"
+                )
             piece.file.read_into(record, piece.start + skip, into[done * itemsize : (done + take) * itemsize])
             done, skip = done + take, 0
             if done == need:
@@ -214,7 +216,8 @@ class CheckpointOptimizer:
                             "for another number of ranks; only optimizers whose state is per-parameter tensors "
                             "(Adam, AdamW, SGD with momentum, ...) can"
                         )
-                    if h.kind != first[key].kind or (h.record is not None and h.record.dtype != first[key].record.dtype):
+                    other_dtype = h.record is not None and h.record.dtype != first[key].record.dtype
+                    if h.kind != first[key].kind or other_dtype:
                         raise CheckpointFormatError(
                             f"{self.tag_url!r}: the optimizer state {key!r} differs in kind or dtype between ranks"
                         )

@@ -1,6 +1,7 @@
 """Continue training on another number of ranks: save on N, resume on M (tests/test_world_size.py).
 
 Usage: python world_size.py PHASE OUT STAGE RANKS [WRITER]
+WRITER ending in ``-frozen`` (``stagesafe-frozen``): the module's hidden layer is frozen, in both phases.
 PHASE ``save``: a fit of one epoch on RANKS CPU ranks (bf16-mixed, AdamW with weight decay, an lr halving every
   3 steps), then ``trainer.save_checkpoint(OUT/ckpt)`` under WRITER (``stagesafe``, the default, or ``stock``:
   Lightning's own DeepSpeedStrategy, the CPU-enabled base class). At the end of the fit, while the engine lives,
@@ -9,6 +10,11 @@ PHASE ``save``: a fit of one epoch on RANKS CPU ranks (bf16-mixed, AdamW with we
 PHASE ``resume``: a new module on RANKS ranks, ``fit(ckpt_path=OUT/ckpt, max_epochs=2)`` under stagesafe; when
   training starts (the checkpoint restored, no step yet) rank 0 records the same in ``OUT/resumed-M.*``, and at the
   end the losses of every step and the handoff's weights in ``OUT/after-M.*``.
+PHASE ``refuse``: as ``resume``, but with what cannot be resumed (WRITER names it): ``extra`` (the model has a
+  layer the checkpoint lacks), ``sgd`` (another optimizer), ``stage2`` (ZeRO-2 resuming a ZeRO-3 checkpoint),
+  ``payload`` (the checkpoint is OUT/crafted, whose pickles carry code; ``payload-stock``: OUT/crafted-stock under
+  stock Lightning); rank 0 records the error (or null) in
+  ``OUT/refused-<what>-M.json``.
 Lightning starts the other ranks by running this command line again.
 """
 
@@ -35,6 +41,7 @@ class AdamWModule(ToyModule):
     """The toy model, AdamW with weight decay and an lr that halves every 3 steps; its losses recorded."""
 
     losses: list
+    sgd = False
 
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
@@ -42,6 +49,8 @@ class AdamWModule(ToyModule):
         return loss
 
     def configure_optimizers(self):
+        if self.sgd:
+            return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
@@ -96,26 +105,53 @@ def trainer(strategy, ranks: int, callback: pl.Callback, max_epochs: int) -> pl.
     )
 
 
-def new_module() -> AdamWModule:
+def new_module(variant: str = "") -> AdamWModule:
     pl.seed_everything(7, verbose=False)
-    module = AdamWModule(lr=1e-2)
-    module.losses = []
+    module = AdamWModule(lr=1e-2, extra_head=variant == "extra", frozen_hidden=variant == "frozen")
+    module.losses, module.sgd = [], variant == "sgd"
     return module
+
+
+def refuse(out: str, stage: int, ranks: int, variant: str) -> None:
+    """fit(ckpt_path=...) of what cannot be resumed: rank 0 records the error every rank raised."""
+    module = new_module(variant)
+    if variant == "payload-stock":  # stock Lightning, on a copy whose payload creates another file
+        strategy = CPUCapableDeepSpeedStrategy(stage=stage)
+    else:
+        strategy = StageSafeDeepSpeedStrategy(stage=2 if variant == "stage2" else stage,
+                                              handoff_uri=f"{out}/refused-handoff", overwrite_handoff=True)
+    t = trainer(strategy, ranks, pl.Callback(), max_epochs=2)
+    ckpt = {"payload": f"{out}/crafted", "payload-stock": f"{out}/crafted-stock"}.get(variant, f"{out}/ckpt")
+    try:
+        t.fit(module, dataloader(), ckpt_path=ckpt)
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what the user sees is the point
+        error = {"type": type(exc).__name__, "message": str(exc), "steps": len(module.losses)}
+    if dist.get_rank() == 0:
+        with open(f"{out}/refused-{variant}-{ranks}.json", "w") as f:
+            json.dump(error, f)
 
 
 def main() -> None:
     phase, out, stage, ranks, *rest = sys.argv[1:]
     stage, ranks, writer = int(stage), int(ranks), (rest[0] if rest else "stagesafe")
+    frozen = writer.endswith("-frozen")  # the module's hidden layer is frozen: ZeRO-3 partitions it too
     os.makedirs(out, exist_ok=True)
-    module = new_module()
+    if phase == "refuse":
+        refuse(out, stage, ranks, writer)
+        if dist.get_rank() == 0:
+            print("DONE", phase, ranks)
+        return
+    module = new_module("frozen" if frozen else "")
     if phase == "save":
-        strategy = (StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/saved-handoff") if writer == "stagesafe"
-                    else CPUCapableDeepSpeedStrategy(stage=stage))
+        strategy = (CPUCapableDeepSpeedStrategy(stage=stage) if writer.startswith("stock")
+                    else StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/saved-handoff"))
         t = trainer(strategy, ranks, Record("end", f"{out}/saved"), max_epochs=1)
         t.fit(module, dataloader())
         t.save_checkpoint(f"{out}/ckpt")
     else:
-        strategy = StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/after-{ranks}-handoff", overwrite_handoff=True)
+        strategy = StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/after-{ranks}-handoff",
+                                              overwrite_handoff=True)
         t = trainer(strategy, ranks, Record("start", f"{out}/resumed-{ranks}"), max_epochs=2)
         t.fit(module, dataloader(), ckpt_path=f"{out}/ckpt")
         t.strategy.wait_for_handoff()

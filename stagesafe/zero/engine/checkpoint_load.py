@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, shown
+from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, StateDictMismatchError, shown
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
 from stagesafe.zero.pickle_globals import OpaqueRecord
@@ -188,7 +188,7 @@ def _check_parameters(engine: Any, source: CheckpointOptimizer) -> None:
     missing, extra = sorted(set(ours) - set(trained)), sorted(set(trained) - set(ours))
     if missing or extra:
         frozen = [n for n in missing if n in specs]
-        raise CheckpointFormatError(
+        raise StateDictMismatchError(
             f"{source.tag_url!r} does not hold this model's trained parameters: "
             + "; ".join(
                 part for part in (
@@ -197,12 +197,13 @@ def _check_parameters(engine: Any, source: CheckpointOptimizer) -> None:
                     f"held but not trained by this model: {_few(extra)}" if extra else "",
                 ) if part
             )
-            + ". A checkpoint resumes the model and optimizer that wrote it"
+            + ". A checkpoint resumes the model that wrote it; for its weights alone, consolidate it (stagesafe "
+            "consolidate) and load what fits"
         )
     shapes = [f"{n} {list(trained[n].shape)} in the checkpoint, {list(s)} here" for n, (s, _) in ours.items()
               if tuple(trained[n].shape) != tuple(s)]
     if shapes:
-        raise CheckpointFormatError(f"{source.tag_url!r} holds other shapes than this model: {_few(shapes)}")
+        raise StateDictMismatchError(f"{source.tag_url!r} holds other shapes than this model: {_few(shapes)}")
     if source.param_groups is not None and len(source.param_groups) != len(groups):
         raise CheckpointFormatError(
             f"{source.tag_url!r} holds {len(source.param_groups)} optimizer param group(s), this optimizer has "
@@ -214,12 +215,14 @@ def _check_parameters(engine: Any, source: CheckpointOptimizer) -> None:
         raise CheckpointFormatError(f"{source.tag_url!r} puts parameters in other param groups: {_few(moved)}")
     if source.param_groups is not None:
         for index, (saved, live) in enumerate(zip(source.param_groups, groups)):
-            differ = (set(saved) ^ set(live)) - _SCHEDULER_KEYS
-            if differ:
+            there = sorted(set(saved) - set(live) - _SCHEDULER_KEYS)
+            here = sorted(set(live) - set(saved) - _SCHEDULER_KEYS)
+            if there or here:
                 raise CheckpointFormatError(
-                    f"{source.tag_url!r} was written by another optimizer: its param group {index} has the "
-                    f"hyperparameters {sorted(set(saved) - _SCHEDULER_KEYS)}, this "
-                    f"{type(engine.optimizer.optimizer).__name__}'s {sorted(set(live) - _SCHEDULER_KEYS)}"
+                    f"{source.tag_url!r} was written by another optimizer than this "
+                    f"{type(engine.optimizer.optimizer).__name__}: its param group {index} has the hyperparameters "
+                    f"{there} and lacks {here}; its state would not be this optimizer's. Resume with the "
+                    "optimizer that wrote it"
                 )
 
 

@@ -1,0 +1,171 @@
+"""Continue training exactly on another number of ranks: ``fit(ckpt_path=...)`` of a ZeRO checkpoint written by N
+ranks, on M ranks, through stagesafe's own reader (tests/scripts/world_size.py).
+
+CPU ranks, bf16-mixed, AdamW with weight decay and a step-wise lr schedule. A fit of one epoch on N ranks records,
+while its engine lives, the full fp32 masters and Adam moments (DeepSpeed's ``safe_get_full_*``), then saves the
+checkpoint; a new process on M ranks resumes from it and records the same when training starts, before any step:
+every tensor is compared bitwise. Then what cannot be resumed is refused on every rank, naming what differs, and a
+checkpoint whose pickles carry code is refused at any world size with nothing run.
+"""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _launch import SCRIPTS, run_script
+
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.slow]
+
+SCRIPT = os.path.join(SCRIPTS, "world_size.py")
+SAMPLES, BATCH = 32, 4  # tests/scripts/toy.py's dataloader
+
+# (ZeRO stage, ranks that saved, ranks that resume, who saved: stagesafe's strategy or stock Lightning's)
+CASES = {
+    "z2-2to1": (2, 2, 1, "stagesafe"),
+    "z2-2to3": (2, 2, 3, "stagesafe"),
+    "z3-2to1": (3, 2, 1, "stagesafe"),
+    "z3-2to3": (3, 2, 3, "stagesafe"),
+    "z3-4to2": (3, 4, 2, "stagesafe"),
+    "z2-3to4": (2, 3, 4, "stagesafe"),
+    "z3-stock-2to1": (3, 2, 1, "stock"),
+    "z2-stock-2to3": (2, 2, 3, "stock"),
+    "z3-frozen-2to3": (3, 2, 3, "stagesafe-frozen"),  # a frozen layer: ZeRO-3 partitions it, re-partitioned too
+}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("world-size"))
+
+
+@functools.cache
+def _saved(root: str, stage: int, ranks: int, writer: str) -> str:
+    out = os.path.join(root, f"z{stage}-{writer}-{ranks}")
+    run_script(SCRIPT, ["save", out, str(stage), str(ranks), writer], timeout=600, cwd=root)
+    return out
+
+
+@functools.cache
+def _resumed(root: str, case: str) -> str:
+    stage, saved, resumed, writer = CASES[case]
+    out = _saved(root, stage, saved, writer)
+    run_script(SCRIPT, ["resume", out, str(stage), str(resumed), writer], timeout=600, cwd=root)
+    return out
+
+
+def _tensors(path: str) -> dict[str, torch.Tensor]:
+    return load_file(path)
+
+
+def _json(path: str):
+    with open(path) as f:
+        return json.load(f)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_masters_and_moments_on_the_new_ranks_equal_those_saved_bitwise(root, case):
+    """After the resume, before any step, the M ranks' engine holds every fp32 master and both Adam moments
+    exactly as the N ranks' engine held them when the checkpoint was saved; the step count and lr too."""
+    stage, _, resumed, _ = CASES[case]
+    out = _resumed(root, case)
+    saved, now = _tensors(f"{out}/saved.safetensors"), _tensors(f"{out}/resumed-{resumed}.safetensors")
+    assert set(now) == set(saved) and {n.split("/")[0] for n in saved} == {"master", "exp_avg", "exp_avg_sq"}
+    for name, value in saved.items():
+        assert now[name].dtype == value.dtype == torch.float32 and now[name].shape == value.shape, name
+        assert torch.equal(now[name].view(torch.uint8), value.view(torch.uint8)), f"{name} differs"
+    assert any(v.abs().sum() > 0 for n, v in saved.items() if n.startswith("exp_avg/"))  # the moments are real
+    facts, facts_now = _json(f"{out}/saved.json"), _json(f"{out}/resumed-{resumed}.json")
+    assert facts_now == facts and facts["steps"] == [float(facts["global_step"])]
+
+
+@pytest.mark.parametrize("case", ["z2-2to1", "z3-2to3", "z3-4to2"])
+def test_training_continues_from_the_saved_step(root, case):
+    """The second epoch runs on M ranks from the saved step: as many steps as M ranks take for an epoch, finite
+    losses, and new weights."""
+    _, _, resumed, _ = CASES[case]
+    out = _resumed(root, case)
+    after, saved = _json(f"{out}/after-{resumed}.json"), _json(f"{out}/saved.json")
+    per_rank = math.ceil(SAMPLES / resumed)  # the distributed sampler pads to a multiple of the ranks
+    assert after["global_step"] == saved["global_step"] + math.ceil(per_rank / BATCH)
+    losses = [loss for rank in after["losses"] for loss in rank]
+    assert losses and all(math.isfinite(loss) for loss in losses)
+    weights, masters = _tensors(f"{out}/after-{resumed}.safetensors"), _tensors(f"{out}/saved.safetensors")
+    assert not torch.equal(weights["backbone.head.weight"], masters["master/backbone.head.weight"])
+
+
+def test_frozen_parameters_are_re_partitioned_and_stay_as_saved(root):
+    """ZeRO-3 keeps each rank's fragment of a frozen parameter in its model states: on 3 ranks they come back
+    whole, so the handoff of the resumed fit holds them as the 2 ranks saved them."""
+    out = _resumed(root, "z3-frozen-2to3")
+    saved, after = _tensors(f"{out}/saved.safetensors"), _tensors(f"{out}/after-3.safetensors")
+    assert not any("hidden" in n for n in saved)  # frozen: no master, no moments
+    from stagesafe import load_state_dict
+
+    before = load_state_dict(f"{out}/saved-handoff")
+    for name in ("backbone.hidden.weight", "backbone.hidden.bias"):
+        assert torch.equal(after[name].view(torch.uint8), before[name].view(torch.uint8)), name
+    assert not torch.equal(after["backbone.head.weight"], before["backbone.head.weight"])  # the rest trained
+
+
+@pytest.fixture(scope="module")
+def refusals(root) -> str:
+    """The ZeRO-3 checkpoint of 2 ranks, resumed as it cannot be (see tests/scripts/world_size.py ``refuse``),
+    and a copy whose rank 1 optimizer file carries a payload that creates ``pwned`` when unpickled."""
+    out = _saved(root, 3, 2, "stagesafe")
+    for name, marker in (("crafted", "pwned"), ("crafted-stock", "pwned-by-stock")):
+        crafted = os.path.join(out, name)
+        shutil.copytree(os.path.join(out, "ckpt"), crafted)
+        (target,) = glob.glob(os.path.join(crafted, "checkpoint", "*zero_pp_rank_1_*optim_states.pt"))
+        states = torch.load(target, weights_only=False)
+        states["optimizer_state_dict"]["payload"] = _Touch(os.path.join(out, marker))
+        torch.save(states, target)
+    variants = (("payload", 1), ("payload", 2), ("extra", 1), ("sgd", 1), ("stage2", 2), ("payload-stock", 2))
+    for variant, ranks in variants:
+        run_script(SCRIPT, ["refuse", out, "3", str(ranks), variant], timeout=600, cwd=root)
+    return out
+
+
+class _Touch:
+    """Creates ``path`` when unpickled by a loader that runs what a pickle names (torch.load(weights_only=False))."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize("ranks", [2, 1])
+def test_a_checkpoint_whose_pickles_carry_code_is_refused_at_any_world_size(refusals, ranks):
+    """fit(ckpt_path=) reads the rank files as test(ckpt_path=) does: the payload is refused, nothing ran, no
+    step was taken; with the world size unchanged (2) and changed (1)."""
+    error = _json(f"{refusals}/refused-payload-{ranks}.json")
+    assert error["type"] == "UnsafeCheckpointError" and error["steps"] == 0
+    assert "posix.system" in error["message"] and "nothing from the file was executed" in error["message"]
+    assert not os.path.exists(os.path.join(refusals, "pwned"))
+    assert os.path.exists(os.path.join(refusals, "pwned-by-stock"))  # the payload is live: stock Lightning ran it
+
+
+@pytest.mark.parametrize(
+    ("variant", "ranks", "says"),
+    [
+        ("extra", 1, ["StateDictMismatchError", "does not hold this model's trained parameters", "extra_head.weight"]),
+        ("sgd", 1, ["CheckpointFormatError", "another optimizer than this SGD", "'momentum'", "'betas'"]),
+        ("stage2", 2, ["CheckpointFormatError", "ZeRO stage 3", "runs stage 2"]),
+    ],
+)
+def test_what_cannot_be_resumed_is_refused_naming_what_differs(refusals, variant, ranks, says):
+    """Never a silent restart: a model with another layer, another optimizer, another ZeRO stage."""
+    error = _json(f"{refusals}/refused-{variant}-{ranks}.json")
+    assert error["type"] == says[0] and error["steps"] == 0
+    for part in says[1:]:
+        assert part in error["message"], error["message"]
