@@ -169,3 +169,37 @@ def test_what_cannot_be_resumed_is_refused_naming_what_differs(refusals, variant
     assert error["type"] == says[0] and error["steps"] == 0
     for part in says[1:]:
         assert part in error["message"], error["message"]
+
+
+# -- a checkpoint of plain DeepSpeed (engine.save_checkpoint): a tied weight, a frozen layer, two param groups ------
+
+PLAIN = os.path.join(SCRIPTS, "plain_resume.py")
+
+
+@functools.cache
+def _plain(root: str, stage: int, saved: int, resumed: tuple[int, ...]) -> str:
+    from _launch import run_ranks
+
+    out = os.path.join(root, f"plain-z{stage}-{saved}")
+    os.makedirs(out)
+    run_ranks(PLAIN, ["save", out, str(stage)], world_size=saved, timeout=300, cwd=root)
+    for ranks in resumed:
+        run_ranks(PLAIN, ["ours", out, str(stage)], world_size=ranks, timeout=300, cwd=root)
+    run_ranks(PLAIN, ["stock", out, str(stage)], world_size=saved, timeout=300, cwd=root)
+    return out
+
+
+@pytest.mark.parametrize("resumed", [1, 2, 3])
+@pytest.mark.parametrize("stage", [3, 2])
+def test_a_plain_deepspeed_checkpoint_resumes_on_another_world_size(root, stage, resumed):
+    """Masters and moments of both param groups, the tied weight's once, and the frozen layer come back bitwise;
+    the engine then steps. At the world size that saved, they equal what DeepSpeed's own load gives."""
+    saved = 2
+    out = _plain(root, stage, saved, (1, 2, 3))
+    expected = _tensors(f"{out}/saved.safetensors")
+    assert any(n.startswith("frozen/") for n in expected) and "master/embed.weight" in expected
+    for other in (f"{out}/ours-{resumed}.safetensors", f"{out}/stock-{saved}.safetensors"):
+        got = _tensors(other)
+        assert set(got) == set(expected), other
+        for name, value in expected.items():
+            assert torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), f"{other}: {name} differs"

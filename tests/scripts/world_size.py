@@ -75,7 +75,9 @@ def record(trainer: pl.Trainer, module: pl.LightningModule, path: str) -> None:
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     link = getattr(trainer.strategy.deepspeed_engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
-    if link is not None:  # ZeRO 1/2 links each parameter to its optimizer state at the first step: now, to read it
+    if link is not None:  # ZeRO 1/2 links each parameter to its optimizer state at its first step, after the
+        # first param group stepped (the others' state not made yet): linked again now, to read it
+        trainer.strategy.deepspeed_engine.optimizer._hp_optimizer_states_linked = False
         link()
     values = {}
     for name, param in module.named_parameters():

@@ -250,16 +250,21 @@ def _few(items: list[str]) -> str:
 def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[FlatPartition]) -> dict[str, Any]:
     """This rank's ZeRO optimizer state dict, as the engine's ``optimizer.state_dict()`` would give it."""
     optimizer = engine.optimizer
+    # the torch optimizer numbers the flat partitions param group by param group (ZeRO-3 appends each sub-group
+    # to its group's params): its k-th is the partition order[k]
+    order = sorted(range(len(layout)), key=lambda index: (layout[index].group, index))
     base_state: dict[int, dict[str, Any]] = {}
     masters = []
     for index, part in enumerate(layout):
+        master = _filled(source, part, None, part.numel)
+        masters.append(master if part.saved == part.numel else master[: part.saved].clone())
+    for number, index in enumerate(order):
+        part = layout[index]
         state = dict(source.values(source.partition_of_group(part.group)))
         for key in source.element_keys:
             state[key] = _filled(source, part, key, part.numel)
-        master = _filled(source, part, None, part.numel)
-        masters.append(master if part.saved == part.numel else master[: part.saved].clone())
         if state:
-            base_state[index] = state
+            base_state[number] = state
     groups = _param_groups(engine, source)
     global_state = dict(source.global_state)
     global_state["loss_scaler"] = _loss_scaler(optimizer.loss_scaler, global_state.get("loss_scaler"))
