@@ -57,6 +57,7 @@ SMALLEST = {
     "fuzz_hostile.py": ["6", "--seed", "0"],  # the same cases every run: finding new ones is the long run's job
     "hostile_limits.py": ["--repeat", "1"],
     "profile_consolidate.py": ["--hidden", "128", "--layers", "2"],
+    "bench_resume.py": ["--hidden", "64", "--layers", "2", "--resumed", "1", "--repeat", "1", "--root", "{tmp}"],
     "rounds_end_after_fit.py": ["--rounds", "1", "--only", "local"],
 }
 

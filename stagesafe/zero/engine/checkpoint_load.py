@@ -7,12 +7,15 @@ rank's fragments of the frozen parameters) and its optimizer partition (the fp32
 of the optimizer such as Adam's moments, the step counts, the param groups' hyperparameters, the loss scaler),
 each flat partition filled parameter by parameter from the checkpoint's state
 (:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`), whatever number of ranks wrote it. Only this
-rank's partition is ever in memory. :func:`load_rank_files` then loads them with DeepSpeed's own methods, in the
-order its ``load_checkpoint`` does after reading its files with ``torch.load`` (which runs code a file names).
+rank's partition is ever in memory; where the engine keeps its fp32 partitions in host memory (an engine on the
+CPU, an offloaded optimizer) they are read straight into them, not held twice. :func:`load_rank_files` then loads
+the files with DeepSpeed's own methods, in the order its ``load_checkpoint`` does after reading its files with
+``torch.load`` (which runs code a file names).
 
-What cannot be put into this engine is refused before anything is changed, naming what differs: another ZeRO
+What cannot be put into this engine is refused before anything is read into it, naming what differs: another ZeRO
 stage, parameters the checkpoint lacks or holds beyond the model's, other shapes, other param groups, another
-optimizer class (other hyperparameters), optimizer state that is not per parameter.
+optimizer class (other hyperparameters), optimizer state that is not per parameter. (A rank file that shrinks
+while it is read fails the call, the engine's partitions partly read.)
 """
 
 from __future__ import annotations
@@ -60,6 +63,13 @@ def _zero3(engine: Any) -> bool:
     return bool(engine.zero_optimization_partition_weights())
 
 
+def _bf16(engine: Any) -> bool:
+    """ZeRO-1 under bf16 with fp32 gradient accumulation: DeepSpeed's BF16_Optimizer, not its ZeRO optimizer."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    return isinstance(engine.optimizer, BF16_Optimizer)
+
+
 def partition_layout(engine: Any) -> list[FlatPartition]:
     """Where each trained parameter's elements lie in this rank's flat partitions (ZeRO 1/2: a param group's
     rank partition of its flat buffer; ZeRO-3: a sub-group's partitions of its parameters, in order)."""
@@ -78,6 +88,19 @@ def partition_layout(engine: Any) -> list[FlatPartition]:
                     slices.append((names[id(param)], offset, first, real))
             group = int(optimizer.sub_group_to_group_id[index])
             out.append(FlatPartition(group, flat.numel(), flat.numel(), tuple(slices)))
+        return out
+    if _bf16(engine):  # each param group's parameters back to back, the flat buffer padded at its end
+        for index, params in enumerate(optimizer.bf16_groups):
+            group = optimizer.real_dp_process_group[index]
+            size = optimizer.bf16_groups_flat[index].numel() // dist.get_world_size(group=group)
+            low = dist.get_rank(group=group) * size
+            slices, offset = [], 0
+            for param in params:
+                start, end = max(low, offset), min(low + size, offset + param.numel())
+                if start < end:
+                    slices.append((names[id(param)], start - low, start - offset, end - start))
+                offset += param.numel()
+            out.append(FlatPartition(index, size, size, tuple(slices)))
         return out
     for index, params in enumerate(optimizer.round_robin_bit16_groups):
         size = int(optimizer.partition_size[index])
@@ -109,11 +132,8 @@ def rank_files(engine: Any, source: CheckpointOptimizer) -> dict[str, dict[str, 
     _check_engine(engine, source)
     layout = partition_layout(engine)
     _check_parameters(engine, source)
-    optimizer_state = _optimizer_state(engine, source, layout)
-    model_states = {
-        **source.model_states(),
-        "frozen_param_fragments": _frozen(engine, source),
-    }
+    model_states = {**source.model_states(), "frozen_param_fragments": _frozen(engine, source)}
+    optimizer_state = _optimizer_state(engine, source, layout)  # last: it reads into the engine's own partitions
     from deepspeed.git_version_info import version
 
     optim = {"optimizer_state_dict": optimizer_state, "ds_config": engine.config, "ds_version": version}
@@ -156,14 +176,15 @@ def load_rank_files(engine: Any, files: Mapping[str, Mapping[str, Any]], *, stri
 
 
 def _check_engine(engine: Any, source: CheckpointOptimizer) -> None:
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     optimizer = engine.optimizer
-    if not isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+    if not isinstance(optimizer, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer)):
         raise InvalidArgumentError(
             f"this engine's optimizer is DeepSpeed's {type(optimizer).__name__}, whose checkpoint stagesafe does not "
-            "load (it loads those of the ZeRO 1/2 and ZeRO-3 optimizers; ZeRO-1 with bf16 uses BF16_Optimizer)"
+            "load (it loads those of the ZeRO 1/2 and ZeRO-3 optimizers, and of BF16_Optimizer: ZeRO-1 with bf16)"
         )
     if engine.zero_nvme_offload_optimizer() or engine.has_moe_layers:
         raise InvalidArgumentError(
@@ -235,7 +256,7 @@ def _trained_parameters(engine: Any) -> list[tuple[str, tuple[int, ...], int]]:
             group = int(optimizer.sub_group_to_group_id[index])
             out.extend((names[id(p)], tuple(p.ds_shape), group) for p in params)
     else:
-        for index, params in enumerate(optimizer.bit16_groups):
+        for index, params in enumerate(optimizer.bf16_groups if _bf16(engine) else optimizer.bit16_groups):
             out.extend((names[id(p)], tuple(p.shape), index) for p in params)
     return out
 
@@ -250,23 +271,38 @@ def _few(items: list[str]) -> str:
 def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[FlatPartition]) -> dict[str, Any]:
     """This rank's ZeRO optimizer state dict, as the engine's ``optimizer.state_dict()`` would give it."""
     optimizer = engine.optimizer
+    reads: list[tuple[str, str | None, int, torch.Tensor]] = []  # (name, key, first element, where it goes)
+    engine_masters = (optimizer.fp32_partitioned_groups_flat if _zero3(engine)
+                      else optimizer.fp32_groups_flat_partition if _bf16(engine)
+                      else optimizer.single_partition_of_fp32_groups)
+    masters = []
+    for index, part in enumerate(layout):
+        master = _flat(source, part, None, into=_host_flat(engine_masters[index], part.numel), reads=reads)
+        masters.append(master if part.saved == part.numel else master[: part.saved])
     # the torch optimizer numbers the flat partitions param group by param group (ZeRO-3 appends each sub-group
     # to its group's params): its k-th is the partition order[k]
     order = sorted(range(len(layout)), key=lambda index: (layout[index].group, index))
     base_state: dict[int, dict[str, Any]] = {}
-    masters = []
-    for index, part in enumerate(layout):
-        master = _filled(source, part, None, part.numel)
-        masters.append(master if part.saved == part.numel else master[: part.saved].clone())
     for number, index in enumerate(order):
         part = layout[index]
         state = dict(source.values(source.partition_of_group(part.group)))
         for key in source.element_keys:
-            state[key] = _filled(source, part, key, part.numel)
+            state[key] = _flat(source, part, key, reads=reads)
         if state:
             base_state[number] = state
+    _read_all(source, reads)
     groups = _param_groups(engine, source)
     global_state = dict(source.global_state)
+    if _bf16(engine):  # BF16_Optimizer's own state_dict: no loss scaler, its fp32 partitions whole
+        return {
+            "clip_grad": global_state.get("clip_grad", optimizer.clip_grad),
+            "base_optimizer_state": {"state": base_state, "param_groups": groups},
+            "single_partition_of_fp32_groups": masters,
+            "group_paddings": list(optimizer.group_paddings),
+            "partition_count": optimizer.partition_count,
+            "ds_version": global_state.get("ds_version") or _version(),
+            "param_slice_mappings": getattr(optimizer, "_param_slice_mappings", None),
+        }
     global_state["loss_scaler"] = _loss_scaler(optimizer.loss_scaler, global_state.get("loss_scaler"))
     if _zero3(engine):
         return {
@@ -294,14 +330,49 @@ def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[Flat
     }
 
 
-def _filled(source: CheckpointOptimizer, part: FlatPartition, key: str | None, numel: int) -> torch.Tensor:
-    """A flat partition of ``key`` (None: the fp32 masters), each parameter's slice read from the checkpoint,
-    zeros where DeepSpeed pads."""
+def _flat(
+    source: CheckpointOptimizer, part: FlatPartition, key: str | None, *, reads: list,
+    into: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A flat partition of ``key`` (None: the fp32 masters), each parameter's slice to be read from the checkpoint
+    (added to ``reads``): into ``into`` (the engine's own partition, in host memory: no second copy of it; what
+    lies between the slices stays as it is), else into new memory, zeros where DeepSpeed pads."""
     dtype = getattr(torch, source.element_dtypes[key] if key is not None else source.master_dtype)
-    flat = torch.zeros(numel, dtype=dtype)
-    for name, offset, first, count in part.slices:
-        source.read_into(name, key, first, flat.narrow(0, offset, count))
+    flat = into if into is not None and into.dtype == dtype else torch.empty(part.numel, dtype=dtype)
+    at = 0
+    for name, offset, first, count in sorted(part.slices, key=lambda s: s[1]):
+        if flat is not into and offset > at:
+            flat.narrow(0, at, offset - at).zero_()
+        reads.append((name, key, first, flat.narrow(0, offset, count)))
+        at = max(at, offset + count)
+    if flat is not into and at < part.numel:
+        flat.narrow(0, at, part.numel - at).zero_()
     return flat
+
+
+_READERS = 8  # threads reading at once: a first touch of fresh memory costs a page fault, which one thread pays slowly
+
+
+def _read_all(source: CheckpointOptimizer, reads: list[tuple[str, str | None, int, torch.Tensor]]) -> None:
+    """Every read, largest first, on a few threads (``pread`` lets go of the GIL)."""
+    from stagesafe.handoff.workers import Workers
+
+    reads = sorted(reads, key=lambda r: -r[3].numel())
+    threads = max(1, min(_READERS, os.cpu_count() or 1, len(reads)))
+    if threads == 1:
+        for read in reads:
+            source.read_into(*read)
+        return
+    with Workers(threads, name="stagesafe-resume-read") as pool:
+        list(pool.map(lambda read: source.read_into(*read), reads))
+
+
+def _host_flat(tensor: torch.Tensor, numel: int) -> torch.Tensor | None:
+    """The engine's flat partition where the checkpoint's values can be read straight into it: in host memory,
+    contiguous, of the partition's size (on a device, DeepSpeed copies them there from host memory)."""
+    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() != numel:
+        return None
+    return tensor.detach().view(-1)
 
 
 def _param_groups(engine: Any, source: CheckpointOptimizer) -> list[dict[str, Any]]:
@@ -330,10 +401,11 @@ def _frozen(engine: Any, source: CheckpointOptimizer) -> dict[str, torch.Tensor]
     if not _zero3(engine):
         return source.frozen_fragments()
     import torch.distributed as dist
+    from deepspeed.runtime.utils import is_optimized_parameter
 
     optimizer, names, out = engine.optimizer, _names(engine), {}
     for param in engine.module.parameters():
-        if param.requires_grad or not hasattr(param, "ds_tensor"):
+        if is_optimized_parameter(param) or not hasattr(param, "ds_tensor"):  # as DeepSpeed saves and loads them
             continue
         name = names[id(param)]
         spec = source.specs.get(name)
