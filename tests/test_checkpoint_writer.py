@@ -19,6 +19,7 @@ from stagesafe.errors import InvalidArgumentError
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.zero.checkpoint_writer import (
     WEIGHTS_ONLY_MARKER,
+    holds_optimizer_state,
     is_weights_only,
     write_engine_checkpoint,
     write_zero_checkpoint,
@@ -102,6 +103,22 @@ def test_the_folder_says_it_holds_weights_only(tmp_path):
         "zero_pp_rank_0_mp_rank_00_model_states.pt",
         OPTIM_FILE,
     ]
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_a_full_save_over_a_weights_only_one_leaves_one_runs_optimizer_files(tmp_path, bf16):
+    """DeepSpeed saving into a weights-only folder names its optimizer files bf16_... under bf16, beside the
+    weights-only save's: that one goes with the marker, so the folder reads as one run's (stagesafe's reader
+    refuses two kinds); without bf16 DeepSpeed wrote over it, and it stays."""
+    path = str(tmp_path / "ckpt")
+    write_zero_checkpoint(path, _net(), zero_stage=3, client_state={})
+    folder = os.path.join(path, "checkpoint")
+    deepspeeds = f"bf16_{OPTIM_FILE}" if bf16 else OPTIM_FILE
+    with open(os.path.join(folder, deepspeeds), "ab"):
+        pass
+    holds_optimizer_state(path)
+    assert not is_weights_only(path)
+    assert sorted(n for n in os.listdir(folder) if "optim" in n) == [deepspeeds]
 
 
 def test_16_bit_weights_are_written_as_fp32_masters_and_the_rest_in_their_own_dtype(tmp_path):

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 WEIGHTS_ONLY_MARKER = "stagesafe_weights_only.json"
+_WEIGHTS_ONLY_OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # the one optimizer file a weights-only save writes
 
 
 def write_engine_checkpoint(
@@ -64,9 +65,23 @@ def write_engine_checkpoint(
 
 def holds_optimizer_state(path: str) -> None:
     """A full DeepSpeed checkpoint was just written into ``path``: an earlier weights-only save's marker goes,
-    so that a resume from it takes the optimizer state that is there now."""
+    so that a resume from it takes the optimizer state that is there now, and so does that save's optimizer file
+    where DeepSpeed named its own otherwise (``bf16_...``, under bf16) instead of writing over it: a folder holding
+    both kinds is two runs' files, which stagesafe's reader refuses."""
+    marker = os.path.join(path, WEIGHTS_ONLY_MARKER)
+    try:
+        with open(marker) as f:
+            tag = json.load(f).get("tag", "checkpoint")
+    except FileNotFoundError:
+        return
+    except (ValueError, AttributeError):
+        tag = "checkpoint"
+    folder = os.path.join(path, str(tag))
+    if os.path.isfile(os.path.join(folder, f"bf16_{_WEIGHTS_ONLY_OPTIM}")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, _WEIGHTS_ONLY_OPTIM))
     with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(path, WEIGHTS_ONLY_MARKER))
+        os.remove(marker)
 
 
 def write_zero_checkpoint(
@@ -103,7 +118,7 @@ def write_zero_checkpoint(
     os.makedirs(folder, exist_ok=True)
     model_name = "zero_pp_rank_0_mp_rank_00_model_states.pt" if zero_stage == 3 else "mp_rank_00_model_states.pt"
     torch.save(model_states, os.path.join(folder, model_name))
-    torch.save(optim_states, os.path.join(folder, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    torch.save(optim_states, os.path.join(folder, _WEIGHTS_ONLY_OPTIM))
     with open(os.path.join(path, "latest"), "w") as f:
         f.write(tag)
     with open(os.path.join(path, WEIGHTS_ONLY_MARKER), "w") as f:
