@@ -153,11 +153,11 @@ def load_rank_files(engine: Any, files: Mapping[str, Mapping[str, Any]], *, stri
     if engine._optimizer_has_ckpt_event_prologue():
         engine.optimizer.checkpoint_event_prologue()
     engine.load_module_state_dict(checkpoint=dict(model), strict=strict)
-    engine.loaded_checkpoint_dp_world_size = model["dp_world_size"]
-    engine.loaded_checkpoint_mp_world_size = model["mp_world_size"]
-    engine.global_steps = model["global_steps"]
+    engine.loaded_checkpoint_dp_world_size = model.get("dp_world_size")
+    engine.loaded_checkpoint_mp_world_size = model.get("mp_world_size", 1)
+    engine.global_steps = model.get("global_steps", 0)
     engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
-    engine.skipped_steps = model["skipped_steps"]
+    engine.skipped_steps = model.get("skipped_steps", 0)
     group = engine.optimizer.dp_process_group
     state_dict_list: list[Any] = [None] * dist.get_world_size(group=group)
     state_dict_list[dist.get_rank(group=group)] = optimizer_state
