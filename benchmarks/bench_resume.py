@@ -5,9 +5,11 @@ parameters, AdamW after 2 steps) is saved by ``--saved`` CPU ranks (gloo), then 
 ``tests/scripts/plain_resume.py``: with stagesafe (``read_rank_files`` + ``load_rank_files``) at each world size of
 ``--resumed``, and with DeepSpeed's ``engine.load_checkpoint`` at the world size that saved (the only one it
 loads). Each load is its own job; measured: the load's wall time on rank 0 (both timed from a barrier to a
-barrier) and rank 0's peak RSS for the whole process (engine included). Medians over ``--repeat`` rounds.
+barrier, stagesafe's modules imported before the clock in both) and rank 0's peak RSS for the whole process
+(engine included). Medians over ``--repeat`` rounds, stock and stagesafe in turns within each round.
 
     python benchmarks/bench_resume.py --stage 3 --hidden 2048 --layers 8 --saved 2 --resumed 1 2 3
+    python benchmarks/bench_resume.py --stage 1 --dtype bf16 --hidden 2048 --layers 8
 
 Prints a Markdown table.
 """
@@ -30,7 +32,7 @@ def run(phase: str, out: str, args: argparse.Namespace, ranks: int) -> dict:
     from _launch import run_ranks
 
     argv = [phase, out, str(args.stage), "--model", "big", "--hidden", str(args.hidden), "--layers",
-            str(args.layers), "--no-record"]
+            str(args.layers), "--dtype", args.dtype, "--no-record"]
     results = run_ranks(SCRIPT, argv, world_size=ranks, timeout=1800, env={"PYTHONPATH": REPO})
     done = [line for line in results[0].stdout.splitlines() if line.startswith("DONE ")]
     return json.loads(done[-1][len("DONE "):])
@@ -41,6 +43,8 @@ def main() -> None:
     parser.add_argument("--stage", type=int, default=3)
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: the engine trains in bf16 (ZeRO-1 under bf16 is DeepSpeed's BF16_Optimizer)")
     parser.add_argument("--saved", type=int, default=2)
     parser.add_argument("--resumed", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--repeat", type=int, default=3)
@@ -54,7 +58,7 @@ def main() -> None:
             for ranks in args.resumed:
                 rows.setdefault(("stagesafe", ranks), []).append(run("ours", out, args, ranks))
     params = args.hidden * (args.hidden + 1) * args.layers
-    print(f"ZeRO-{args.stage}, {params / 1e6:.1f}M parameters (fp32, AdamW), saved by {args.saved} CPU ranks; "
+    print(f"ZeRO-{args.stage}, {params / 1e6:.1f}M parameters ({args.dtype}, AdamW), saved by {args.saved} CPU ranks; "
           f"medians of {args.repeat}\n")
     print("| load | ranks | seconds | rank 0 peak RSS (MiB) |")
     print("| --- | --- | --- | --- |")

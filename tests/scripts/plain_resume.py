@@ -114,11 +114,11 @@ def main() -> int:
             record(engine, f"{args.out}/saved.safetensors")
         engine.save_checkpoint(f"{args.out}/ckpt")
     else:
+        from stagesafe.zero.engine import load_rank_files, read_rank_files  # imported before the clock, as DeepSpeed's
+
         torch.distributed.barrier()
         start = time.perf_counter()
         if args.phase == "ours":
-            from stagesafe.zero.engine import load_rank_files, read_rank_files
-
             files, _ = read_rank_files(engine, f"{args.out}/ckpt")
             load_rank_files(engine, files)
             del files
