@@ -312,6 +312,26 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             self._boundary.optimizer_stepped(self.model)
         return result
 
+    @override
+    def on_validation_start(self) -> None:
+        self._loop_started()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._loop_started()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._loop_started()
+        super().on_predict_start()
+
+    def _loop_started(self) -> None:
+        """After Lightning restored any ``ckpt_path``: an inference stage's weights may be written now."""
+        if self._boundary is not None:
+            self._boundary.loop_started()
+
     # -- collectives ------------------------------------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -538,6 +558,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 gather=ending.gather,
                 background=not failed,
                 lr_schedulers=[config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+                failed=failed or bool(ending.failed) or ending.broken,
             )
         except Exception as exc:
             if not failed:

@@ -121,12 +121,14 @@ def test_a_first_stage_resumes_from_a_handoff_into_the_same_parameter_objects(tm
 
 
 # -- leaving ----------------------------------------------------------------------------------------------------
-def test_an_inference_stage_writes_its_weights_while_it_runs_and_once(tmp_path):
+def test_an_inference_stage_writes_its_weights_while_its_loop_runs_and_once(tmp_path):
     module, writer, uri = _net(), _writer(), str(tmp_path / "h")
     objects, values = _objects(module), _values(module)
     boundary = _boundary(module, uri, writer)
     boundary.enter()
-    assert writer.pending  # started at entry, from the tensors the boundary keeps
+    assert not writer.pending  # not before the loop: Lightning may still fail on its ckpt_path
+    boundary.loop_started()
+    assert writer.pending  # started as the loop starts, from the tensors the boundary kept at entry
     report = _end(boundary)
     assert report.wrote and report.clean and not writer.pending  # the stage's end joined it
     assert all(_objects(module)[n] is t for n, t in objects.items())
@@ -359,3 +361,18 @@ def _recipes_in(state):
             yield from _recipes_in(value)
     elif not isinstance(state, torch.Tensor) and hasattr(state, "build"):
         yield state
+
+
+def test_a_call_that_failed_before_any_step_writes_no_handoff_and_the_next_call_does(tmp_path, caplog):
+    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    values = _values(module)
+    boundary = _boundary(module, uri, writer, "test")
+    boundary.enter()
+    with caplog.at_level(logging.INFO, logger="stagesafe"):
+        report = _end(boundary, background=False, failed=True)  # e.g. a ckpt_path that does not exist
+    assert not report.wrote and not os.path.exists(uri)
+    assert "the test call failed before any optimizer step: no handoff written" in caplog.text
+    assert_bitwise_equal(_values(module), values)
+    assert _stage(module, uri, writer, "test").wrote  # the module's weights are written by the next call
+    writer.join()
+    assert_bitwise_equal(stagesafe.load_state_dict(uri), values)
