@@ -4,6 +4,7 @@ store (torch.distributed's HashStore)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -376,3 +377,29 @@ def test_a_call_that_failed_before_any_step_writes_no_handoff_and_the_next_call_
     assert _stage(module, uri, writer, "test").wrote  # the module's weights are written by the next call
     writer.join()
     assert_bitwise_equal(stagesafe.load_state_dict(uri), values)
+
+
+def test_the_collector_makes_no_passes_during_a_boundary_and_runs_again_after(tmp_path):
+    module = nn.Sequential(*[nn.Linear(2, 2) for _ in range(1500)])  # 3000 tensors: thousands of allocations
+    writer, passes = _writer(), []
+    boundary = _boundary(module, str(tmp_path / "h"), writer, "fit", training=True)
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] < 2:  # automatic passes (a gc.collect() is a full one)
+            passes.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        boundary.enter()
+        during_enter = len(passes)
+        gc.collect(1)
+        passes.clear()
+        report = _end(boundary, trained=True)
+        during_exit = len(passes)
+        assert gc.isenabled()
+        [[] for _ in range(5000)]  # and the collector runs again
+    finally:
+        gc.callbacks.remove(count)
+    writer.join()
+    # at most the one pass as the collector resumes (dozens each, without the pause)
+    assert report.wrote and during_enter <= 1 and during_exit <= 1 and len(passes) > during_exit

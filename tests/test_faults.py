@@ -6,12 +6,11 @@ where one rank fails alone wait for the process group's timeout (20 s here) and 
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from _launch import LaunchError, run_ranks
+from _launch import run_recorded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "faults.py")
@@ -22,14 +21,7 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 def _run(case: str, root, handoff: str | None = None, *, expect_ok: bool = True):
     args = [case, str(root)] + ([handoff] if handoff else [])
-    try:
-        results = run_ranks(SCRIPT, args, timeout=300, cwd=str(root))
-    except LaunchError as failed:
-        if expect_ok:
-            raise
-        results = failed.results
-    records = [[json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RECORD ")] for r in results]
-    return results, records
+    return run_recorded(SCRIPT, args, timeout=300, cwd=str(root), expect_ok=expect_ok)
 
 
 def _full_disk(tmpfs) -> str:

@@ -10,12 +10,11 @@ makes it this run's.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import pytest
 
-from _launch import LaunchError, run_ranks
+from _launch import run_recorded
 
 from stagesafe.stages.ownership import versioned
 
@@ -27,15 +26,8 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 def _job(job: str, root, handoff: str | None = None, *, expect_ok: bool = True):
     args = [job, str(root)] + ([handoff] if handoff else [])
-    try:
-        results = run_ranks(SCRIPT, args, timeout=180, cwd=str(root))
-    except LaunchError as failed:
-        if expect_ok:
-            raise
-        results = failed.results
-    records = [[json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RECORD ")][0]
-               for r in results]
-    return results, records
+    results, records = run_recorded(SCRIPT, args, timeout=180, cwd=str(root), expect_ok=expect_ok)
+    return results, [rank[0] for rank in records]
 
 
 def _bytes_of(folder: str) -> dict[str, str]:

@@ -29,7 +29,7 @@ from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidA
 from stagesafe.handoff.read import HandoffReader, check_present
 from stagesafe.stages import collectives
 from stagesafe.stages.engine_weights import take_from_engine
-from stagesafe.stages.exit_steps import FirstFailure, PhaseClock
+from stagesafe.stages.exit_steps import FirstFailure, PhaseClock, no_collector_passes
 from stagesafe.stages.history import (
     HandoffTarget,
     KeptTraining,
@@ -156,6 +156,7 @@ class StageBoundary:
         self._publisher = HandoffPublisher(module, target, writer, self._end, self.report)
 
     # -- entering -------------------------------------------------------------------------------------------
+    @no_collector_passes()
     def enter(self, *, resume_from: HandoffTarget | None = None) -> None:
         """Check the module is clean; note what it holds.
 
@@ -315,6 +316,7 @@ class StageBoundary:
         self._loaded = dict(values)
 
     # -- leaving ----------------------------------------------------------------------------------------------
+    @no_collector_passes()
     def exit(
         self,
         engine: Any | None,
@@ -335,9 +337,9 @@ class StageBoundary:
         write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit).
         ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
         ``lr_schedulers``: the trainer's lr scheduler states, kept beside the optimizer's.
-        ``failed``: the call failed, on this rank or another. Before any optimizer step it trained nothing worth keeping
-        on storage (a ``ckpt_path`` typo, a bad batch), so it writes no handoff: the module keeps its weights,
-        and the folder what it held.
+        ``failed``: the call failed, on this rank or another. Before any optimizer step it trained nothing worth
+        keeping on storage (a ``ckpt_path`` typo, a bad batch), so it writes no handoff: the module keeps its
+        weights, and the folder what it held.
         """
         start, clock, failure = time.perf_counter(), PhaseClock(self.report.phases), FirstFailure()
         history = self._entered()
