@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import copy
 import inspect
 import logging
@@ -603,9 +604,13 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     def acknowledge_handoff_failure(self) -> None:
         """Go on after a failed handoff write: ``wait_for_handoff()`` and the boundary's log line stop saying
-        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them."""
+        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them.
+        The last boundary's report then says what the folder holds: no write of that stage (``wrote=False``)."""
+        failed = self._handoff_failure()
         for writer in self._writers():
             writer.failed = None
+        if failed is not None and self._last_boundary is not None and self._last_boundary.uri == failed[0]:
+            self._last_boundary = dataclasses.replace(self._last_boundary, wrote=False)
 
     def _handoff_failure(self) -> tuple[str, BaseException] | None:
         """The failure of the last joined write, while no write since has committed and the user has not

@@ -74,7 +74,7 @@ def test_after_a_failed_write_every_later_wait_and_boundary_line_say_so_until_ac
     lines = [line for line in results[0].stderr.splitlines() if "fit boundary" in line]
     assert len(lines) == 5, lines  # the call's own, then one per wait
     assert all("handoff write FAILED" in line for line in lines[1:4]), lines
-    assert "FAILED" not in lines[4] and "written at" in lines[4], lines
+    assert "FAILED" not in lines[4] and "handoff unchanged at" in lines[4], lines  # the old tree: "written at"
 
 
 def test_rank_0_killed_during_the_background_write_is_named_on_rank_1_as_a_distributed_stage_error(tmp_path):
