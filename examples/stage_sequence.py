@@ -57,9 +57,9 @@ def data(n: int = 256) -> DataLoader:
 
 
 def main() -> None:
-    # This demo's own output only: torch.distributed's deprecation notices about the collectives DeepSpeed calls
-    # in every training step, and Lightning's about its own internals, say nothing about this script.
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    # This demo's own output only: Lightning's notices about its own internals (once per rank) say nothing about
+    # this script. (torch's per-step deprecation notices about DeepSpeed's collectives the strategy filters itself,
+    # for every script: docs/troubleshooting.md#per-step-warnings.)
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
     warnings.filterwarnings("ignore", message=".*DistributedSampler.*")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

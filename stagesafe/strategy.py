@@ -54,6 +54,7 @@ from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.ownership import claim_folder
 from stagesafe.stages.writer import HandoffWriter
+from stagesafe.upstream_warnings import quiet_per_step_warnings
 from stagesafe.zero import engine as zero_engine
 from stagesafe.zero.checkpoint_writer import (
     holds_optimizer_state,
@@ -170,7 +171,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         """Lightning's; first, a ``resume_from`` the module will take is looked at on every rank, before
-        DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank."""
+        DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank. The
+        upstream warnings printed at every step are filtered here, on every rank (:mod:`~stagesafe.upstream_warnings`)."""
+        quiet_per_step_warnings()
         module = self.lightning_module
         fresh = module is not None and history_of(module) is None
         if self.resume_from is not None and fresh and not collectives.is_up():
