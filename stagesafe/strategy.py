@@ -27,6 +27,7 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from stagesafe import _registration as registration
 from stagesafe.errors import (
     DistributedStageError,
     EngineReleasedError,
@@ -611,15 +612,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
-        offload = {"offload_optimizer": True}
-        for name, description, arguments in (
-            *((f"stage_{n}", f"ZeRO stage {n}", {"stage": n}) for n in (1, 2, 3)),
-            ("stage_2_offload", "ZeRO stage 2 with CPU optimizer offload", {"stage": 2, **offload}),
-            ("stage_3_offload", "ZeRO stage 3 with CPU offload", {"stage": 3, **offload, "offload_parameters": True}),
-        ):
-            strategy_registry.register(
-                f"stagesafe_deepspeed_{name}", cls, description=f"stagesafe: DeepSpeed {description}", **arguments
-            )
+        registration.register(strategy_registry, cls)
 
 _RESTART = (
     "Restart the job; it continues from the last committed handoff with "
@@ -647,3 +640,4 @@ def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict:
 
 
 StageSafeDeepSpeedStrategy.register_strategies(StrategyRegistry)
+registration.stop_observing()
