@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional, Union
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.deepspeed import warning_cache
@@ -45,6 +46,8 @@ from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
     check_local_handoff,
+    check_positional,
+    check_zero_stage,
     checked_bool,
     checked_storage_options,
     checked_url,
@@ -130,7 +133,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         known = {*inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters}
-        check_keywords(kwargs, known | {*inspect.signature(DeepSpeedStrategy.__init__).parameters}, owner=type(self).__name__)
+        stock = [name for name in inspect.signature(DeepSpeedStrategy.__init__).parameters if name != "self"]
+        check_keywords(kwargs, known | {*stock}, owner=type(self).__name__)
+        check_positional(args, stock, owner=type(self).__name__, accelerator=Accelerator)
+        check_zero_stage(kwargs.get("stage", 2))
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
         self.storage_options = checked_storage_options(storage_options)
@@ -144,6 +150,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         parse_size(max_shard_size)
         self.max_shard_size = max_shard_size
         config_known = isinstance(self.config, dict)  # a config file is read later
+        if config_known and isinstance(self.config.get("zero_optimization"), dict):
+            stage = self.config["zero_optimization"].get("stage", 0)
+            check_zero_stage(stage, where="config['zero_optimization']['stage']")
         check_between_stages(between_stages, zero_stage_3=bool(self.zero_stage_3) if config_known else None)
         self.between_stages = between_stages
         self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
