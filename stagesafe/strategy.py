@@ -41,7 +41,13 @@ from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
-from stagesafe.trainer_messages import boundary_line, say_committed, say_versioned, warn_if_fit_has_nothing_left
+from stagesafe.trainer_messages import (
+    boundary_line,
+    say_committed,
+    say_unchanged,
+    say_versioned,
+    warn_if_fit_has_nothing_left,
+)
 from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
@@ -166,6 +172,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._boundary: StageBoundary | None = None
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
         self._calls = 0
+        self._stepped = False  # an optimizer step was made in this call
         self._last_ending: Ending | None = None  # a call that failed on some rank: meet before the next
         self._failed_ranks: list[int] | None = None  # its failed ranks: later collectives may find the group broken
         self._last_boundary: BoundaryReport | None = None
@@ -212,8 +219,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         writer = self._writer_for(target)
         self._calls += 1
         writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
-        warn_if_fit_has_nothing_left(trainer)
-        boundary = StageBoundary(module, target, self._stage_options(trainer), writer=writer)
+        # A fit with nothing left to train changes nothing: its boundary is that of a stage that does not train.
+        trains = trainer.state.fn == TrainerFn.FITTING and not warn_if_fit_has_nothing_left(trainer)
+        self._stepped = False
+        boundary = StageBoundary(module, target, self._stage_options(trainer, trains=trains), writer=writer)
         self._fresh = set()
         resume = None
         if self.resume_from is not None:
@@ -223,16 +232,17 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(_StageReturned())
         super().setup(trainer)
-        boundary.engine_built(self.model, training=trainer.state.fn == TrainerFn.FITTING)
+        boundary.engine_built(self.model, training=trains)
 
-    def _stage_options(self, trainer: "pl.Trainer") -> StageOptions:
-        """How this call's boundary runs: this strategy's arguments, the call's kind and device."""
+    def _stage_options(self, trainer: "pl.Trainer", *, trains: bool) -> StageOptions:
+        """How this call's boundary runs: this strategy's arguments, the call's kind and device; ``trains``:
+        the call may change the weights (a ``fit`` that has steps left)."""
         meta = self.between_stages == "meta"
         return StageOptions(
             trainer.state.fn.value,
             meta=meta,
             materialize=self._partition_from_handoff if meta else None,
-            training=trainer.state.fn == TrainerFn.FITTING,
+            training=trains,
             device=self.root_device,
             fresh=frozenset(self._fresh),
             keep_optimizer_state=self.keep_optimizer_state,
@@ -321,6 +331,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     ) -> Any:
         """Lightning's; after the first real step the boundary sizes the optimizer state it keeps at the end."""
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepped = True
         if self._boundary is not None and self._engine_is_live:
             self._boundary.optimizer_stepped(self.model)
         return result
@@ -543,10 +554,15 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=grace)
         if ending.failed or ending.broken:  # the next call meets first; its collectives may find the group broken
             self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
+        # A fit that made no step (max_epochs already reached) trained nothing; one given a ckpt_path may have
+        # loaded new weights into the engine (DeepSpeed's own load) even so.
+        trained = trainer is not None and trainer.state.fn == TrainerFn.FITTING and (
+            self._stepped or trainer.ckpt_path is not None
+        )
         try:
             self._last_boundary = boundary.exit(
                 engine,
-                trained=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
+                trained=trained,
                 weights_from=self._weights_from(trainer) if trainer is not None else {},
                 gather=ending.gather,
                 background=not failed,
@@ -558,6 +574,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             # The stage already failed: that error is the one to raise, not this consequence of it.
             log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
             self._last_boundary = boundary.report
+        else:
+            fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+            if fitted and not trained and not failed and not self._last_boundary.wrote:
+                say_unchanged(self._last_boundary.uri)
         finally:
             self.model = boundary.module
             self.optimizers = []

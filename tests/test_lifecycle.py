@@ -89,6 +89,10 @@ def test_fit_again_on_a_trainer_that_reached_max_steps_says_it_will_not_train(tm
     assert _printed(rank0, "AGAIN") == _printed(rank0, "DIGEST")  # Lightning's fit returned without a step
     warned = [line for line in rank0.stdout.splitlines() if line.startswith("WARNING ")]
     assert any("already trained to max_steps=2" in line and "epoch_loop.max_steps" in line for line in warned), warned
+    # It changed nothing: the handoff is not written again, and one line says so.
+    assert _printed(rank0, "REWRITTEN") == "False"
+    said = [line for line in rank0.stderr.splitlines() if "fit made no optimizer step" in line]
+    assert len(said) == 1 and str(tmp_path / "h") in said[0] and "not written again" in said[0], rank0.stderr[-2000:]
 
 
 _STALLED = """

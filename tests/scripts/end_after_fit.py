@@ -6,7 +6,8 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   fit               fit, print the module's digest, end (the handoff write is still running).
   per_rank_folders  each rank its own default_root_dir; fit, then test; print digests.
   resume            a later job: resume_from, test; print the module's digest.
-  fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings.
+  fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings and
+                    whether the handoff's manifest changed ("REWRITTEN True|False").
   marker            keep_optimizer_state=False: fit, save_checkpoint(p) (weights only, marked so); fit again, saving
                     into p from a callback (DeepSpeed's own checkpoint, optimizer included); print "MARKER" and
                     whether it is still there, then the warnings of a new Trainer's fit(ckpt_path=p).
@@ -64,11 +65,15 @@ def main() -> None:
     if mode == "fit_again":
         import warnings
 
+        strategy.wait_for_handoff()
+        committed = stagesafe.read_manifest(strategy.last_boundary.uri)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, train_dataloaders=dataloader())
+        strategy.wait_for_handoff()
         if rank == 0:
             print("AGAIN", state_digest(module), flush=True)
+            print("REWRITTEN", stagesafe.read_manifest(strategy.last_boundary.uri) != committed, flush=True)
             for warning in caught:
                 print("WARNING", str(warning.message).replace("\n", " "), flush=True)
     if mode == "marker":
