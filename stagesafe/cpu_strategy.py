@@ -28,8 +28,8 @@ __all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_
 
 _COMM_OP = "deepspeed_shm_comm"  # the name DeepSpeed's ShareMemCommBuilder builds under
 _HINT = (
-    "; to run DeepSpeed on CPU processes (gloo), as stagesafe's strategy can, set DS_ACCELERATOR=cpu in the "
-    "environment before starting the script"
+    "To run DeepSpeed on CPU processes (gloo), as stagesafe's strategy can, set DS_ACCELERATOR=cpu in the "
+    "environment before starting the script."
 )
 
 
@@ -86,7 +86,7 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
             try:
                 super().setup_environment()  # Lightning's refusal of the CPU
             except RuntimeError as exc:
-                raise RuntimeError(f"{exc}{_HINT}") from None
+                raise RuntimeError(f"{exc} {_HINT}") from None  # Lightning's sentence, then the hint
             return
         use_deepspeed_cpu_accelerator()
         assert self.parallel_devices is not None

@@ -227,7 +227,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         resume = None
         if self.resume_from is not None:
             resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
-        boundary.enter(resume_from=resume)  # refuses a stale module before changing it
+        boundary.enter(resume_from=resume, weights_from=self._weights_from(trainer))  # refuses a stale module first
         self._boundary = boundary
         if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(_StageReturned())

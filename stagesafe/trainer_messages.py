@@ -21,8 +21,9 @@ __all__ = [
 
 
 def say_committed(uri: str, commit: Any, seconds: float) -> None:
-    """Rank 0's line, at Lightning's default level, once a background write has committed."""
-    size = sum(record["size"] for record in commit.manifest["shards"].values())
+    """Rank 0's line, at Lightning's default level, once a background write has committed. Its size is the
+    tensors' bytes (the index's ``total_size``), as the boundary line and ``last_boundary.handoff_bytes`` say."""
+    size = commit.manifest["total_size"]
     metadata = commit.manifest.get("metadata", {})
     what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")

@@ -79,6 +79,18 @@ def test_a_config_whose_stage_is_outside_0_to_3_is_refused():
     assert StageSafeDeepSpeedStrategy(stage=0).config["zero_optimization"]["stage"] == 0
 
 
+def test_the_cpu_without_ds_accelerator_gets_lightnings_refusal_then_the_hint(monkeypatch):
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    strategy = StageSafeDeepSpeedStrategy(accelerator=CPUAccelerator(), stage=3)
+    with pytest.raises(RuntimeError) as caught:
+        strategy.setup_environment()
+    message = str(caught.value)
+    assert "`CPUAccelerator` is used. To run DeepSpeed on CPU processes (gloo)" in message, message
+    assert message.endswith("before starting the script.") and ".;" not in message
+
+
 def test_a_misspelt_argument_names_this_class_and_the_argument_meant():
     with pytest.raises(TypeError, match=r"StageSafeDeepSpeedStrategy\(\) got an unexpected keyword argument 'handof_uri'; "
                                         r"did you mean 'handoff_uri'\?"):
