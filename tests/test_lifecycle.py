@@ -189,6 +189,16 @@ def test_after_fit_only_the_write_is_left_lightnings_thread_check_stops_it_and_i
                for w in warned)
 
 
+def test_a_checkpoint_saved_between_calls_holds_the_files_deepspeeds_own_save_holds(tmp_path):
+    """DeepSpeed's save during a stage puts its recovery scripts (zero_to_fp32.py, zero_to_torch.py) beside the
+    rank files; trainer.save_checkpoint between calls writes the same list of files, executable the same."""
+    rank0, _ = _job({"mode": "files", "root": str(tmp_path), "handoff_uri": str(tmp_path / "h"), "max_steps": 2})
+    files = {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in rank0.stdout.splitlines()
+             if line.startswith("FILES ")}
+    assert {"zero_to_fp32.py x", "zero_to_torch.py x", "latest"} <= set(files["during"]), files["during"]
+    assert files["between"] == files["during"]
+
+
 def test_deepspeed_saving_into_a_weights_only_checkpoint_folder_removes_its_marker(tmp_path):
     """save_checkpoint(p) between calls without the optimizer state marks p weights-only; DeepSpeed saving
     into p during a later fit writes the optimizer state there, and a resume from p must take it."""
