@@ -109,24 +109,6 @@ def test_a_local_resume_from_that_is_not_a_handoff_fails_when_the_strategy_is_ma
         StageSafeDeepSpeedStrategy(resume_from=str(tmp_path / "empty"))
 
 
-def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp_path, monkeypatch, caplog):
-    import logging
-
-    from stagesafe.cpu_strategy import announce_comm_op_build, comm_op_folder
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert comm_op_folder() == str(tmp_path / "deepspeed_shm_comm")
-    with caplog.at_level(logging.INFO):
-        announce_comm_op_build()
-    assert f"building its CPU comm op in {tmp_path / 'deepspeed_shm_comm'}" in caplog.text
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        announce_comm_op_build()
-    assert "building" not in caplog.text  # built: nothing to say
-
-
 FLAGS = ["wait_for_write", "keep_optimizer_state", "check_host_memory", "exclude_frozen_parameters"]
 
 
