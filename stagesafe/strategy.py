@@ -559,6 +559,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         trained = trainer is not None and trainer.state.fn == TrainerFn.FITTING and (
             self._stepped or trainer.ckpt_path is not None
         )
+        fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        layout = zero_engine.optimizer_layout(engine) if fitted and engine is not None else None  # before destroy
         try:
             self._last_boundary = boundary.exit(
                 engine,
@@ -575,12 +577,21 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
             self._last_boundary = boundary.report
         else:
-            fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
             if fitted and not trained and not failed and not self._last_boundary.wrote:
                 say_unchanged(self._last_boundary.uri)
         finally:
             self.model = boundary.module
-            self.optimizers = []
+            self._give_back_optimizers(fitted, layout)
+
+    def _give_back_optimizers(self, fitted: bool, layout: Optional[zero_engine.OptimizerLayout]) -> None:
+        """After a fit, as stock keeps them: ``trainer.optimizers`` the user's optimizer over the module's
+        parameters, the lr as the fit left it (its state is the kept one: ``save_checkpoint``), and
+        ``trainer.lr_scheduler_configs`` the schedulers at their step; nothing of the engine. Another call
+        leaves them as the last fit did (Lightning sets them up only for a fit)."""
+        if not fitted:
+            return
+        self.optimizers = [zero_engine.plain_optimizer(layout)] if layout is not None else []
+        if layout is None:
             self.lr_scheduler_configs = []
 
     def _teardown_without_moving_the_module(self) -> None:
