@@ -8,29 +8,20 @@ each call rank 0 prints "ATTRS <call> <json>" (see ``_attributes``).
 """
 
 import json
+import os
 import sys
 
-import lightning.pytorch as pl
-import torch
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import stagesafe
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+from plain_user import Regressor as PlainRegressor  # noqa: E402
+from plain_user import data  # noqa: E402
+
+import stagesafe  # noqa: E402
 
 
-class Regressor(pl.LightningModule):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
-
-    def test_step(self, batch, batch_idx):
-        x, y = batch
-        self.log("test_loss", nn.functional.mse_loss(self.net(x), y), sync_dist=True)
-
+class Regressor(PlainRegressor):
     def predict_step(self, batch, batch_idx):
         return self.net(batch[0])
 
@@ -39,12 +30,6 @@ class Regressor(pl.LightningModule):
         optimizer = torch.optim.AdamW(groups, betas=(0.8, 0.95), weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
-
-
-def data() -> DataLoader:
-    generator = torch.Generator().manual_seed(0)
-    x = torch.randn(48, 8, generator=generator)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
 
 
 def _attributes(trainer: pl.Trainer, model: pl.LightningModule) -> dict:
