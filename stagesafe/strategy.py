@@ -189,7 +189,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     def setup_environment(self) -> None:
         """Lightning's; first, a ``resume_from`` the module will take is looked at on every rank, before
         DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank. The
-        upstream warnings printed at every step are filtered here, on every rank (:mod:`~stagesafe.upstream_warnings`)."""
+        upstream warnings printed at every step are filtered here, on every rank
+        (:mod:`~stagesafe.upstream_warnings`)."""
         quiet_per_step_warnings()
         module = self.lightning_module
         fresh = module is not None and history_of(module) is None
@@ -476,6 +477,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             )
             self.barrier("stagesafe: checkpoint written")
             return
+        if "lr_schedulers" in client:  # weights only, as the warning says: schedulers start afresh with the optimizer
+            client["lr_schedulers"] = []
         if checkpoint.get("loops") is not None:  # a training checkpoint (weights-only ones have no loops)
             rank_zero_warn(
                 f"trainer.save_checkpoint({os.fspath(filepath)!r}) between Trainer calls writes the weights but no "

@@ -23,12 +23,13 @@ def test_stage_sequence_demo(tmp_path):
     for line in result.stdout.splitlines():
         cells = line.split()
         if cells and cells[0] in ("validate", "fit", "test", "predict"):
-            rows[cells[0]] = cells  # stage, enter s, leave s, handoff size and unit or -, written, clean, numel, x, dtype
+            rows[cells[0]] = cells  # stage, enter s, leave s, size and unit or -, written, clean, numel, x, dtype
             if cells[4] in ("kB", "MB"):
                 cells[3:5] = [" ".join(cells[3:5])]
     assert list(rows) == ["validate", "fit", "test", "predict"]
     # Each commit line names its call and step, and the size the table shows (the same bytes, unit and rounding).
-    committed = re.findall(r"stagesafe: handoff committed at \S+ \((\w+), step (\d+); ([\d.]+ [kM]B) in ", result.stderr)
+    line = r"stagesafe: handoff committed at \S+ \((\w+), step (\d+); ([\d.]+ [kM]B) in "
+    committed = re.findall(line, result.stderr)
     assert [(stage, size) for stage, _, size in committed] == [(s, rows[s][3]) for s in ("validate", "fit")], committed
     quickstart = open(os.path.join(os.path.dirname(EXAMPLES), "docs", "quickstart.md")).read()
     header = next(line for line in result.stdout.splitlines() if line.startswith("stage "))

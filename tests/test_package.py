@@ -37,9 +37,11 @@ def test_strategy_names_are_registered_when_stagesafe_is_imported_before_lightni
     """The other order: ``import stagesafe`` first, then Lightning; a Trainer built by name gets the strategy
     with the name's arguments."""
     build = ("import lightning.pytorch as pl\n"
-             "t = pl.Trainer(strategy='stagesafe_deepspeed_stage_3_offload', accelerator='cpu', devices=2, logger=False)\n"
+             "t = pl.Trainer(strategy='stagesafe_deepspeed_stage_3_offload', accelerator='cpu', devices=2,\n"
+             "               logger=False)\n"
              "z = t.strategy.config['zero_optimization']\n"
-             "print(type(t.strategy).__name__, z['stage'], z['offload_param']['device'], z['offload_optimizer']['device'])")
+             "print(type(t.strategy).__name__, z['stage'], z['offload_param']['device'],\n"
+             "      z['offload_optimizer']['device'])")
     out = _python(f"import stagesafe\nimport lightning.pytorch\n{REGISTERED}\n{build}")
     assert out.splitlines()[0] == NAMES
     assert out.splitlines()[-1] == "StageSafeDeepSpeedStrategy 3 cpu cpu"

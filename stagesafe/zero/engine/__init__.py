@@ -9,7 +9,8 @@ ZeRO (:mod:`.parameters`), the state an engine leaves on a module and taking it 
 stale state, strip, destroy), the weights read out of a live engine (:mod:`.values_out`: full specs, gathered
 values, fp32 masters) and put into one (:mod:`.values_in`: partitions from values, loaded values, masters set), and
 the engine's own checkpoint files (:mod:`.checkpoint_state`; ZeRO-3's fp32 master partitions in them as recipes,
-:mod:`.fp32_partitions`), and the user's optimizer given back over the module's parameters (:mod:`.optimizer`). Callers use the names below, from this package.
+:mod:`.fp32_partitions`), and the user's optimizer given back over the module's parameters (:mod:`.optimizer`).
+Callers use the names below, from this package.
 """
 
 from stagesafe.zero.engine.checkpoint_state import (
