@@ -91,6 +91,7 @@ def test_fit_again_on_a_trainer_that_reached_max_steps_says_it_will_not_train(tm
     assert any("already trained to max_steps=2" in line and "epoch_loop.max_steps" in line for line in warned), warned
     # It changed nothing: the handoff is not written again, and one line says so.
     assert _printed(rank0, "REWRITTEN") == "False"
+    assert _printed(rank0, "KEPT_STEPS") == "2"  # the first fit's engine state is still the one kept
     said = [line for line in rank0.stderr.splitlines() if "fit made no optimizer step" in line]
     assert len(said) == 1 and str(tmp_path / "h") in said[0] and "not written again" in said[0], rank0.stderr[-2000:]
 

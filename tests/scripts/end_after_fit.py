@@ -7,7 +7,8 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   per_rank_folders  each rank its own default_root_dir; fit, then test; print digests.
   resume            a later job: resume_from, test; print the module's digest.
   fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings and
-                    whether the handoff's manifest changed ("REWRITTEN True|False").
+                    whether the handoff's manifest changed ("REWRITTEN True|False"), then the engine steps of the
+                    state a save_checkpoint writes after it ("KEPT_STEPS N": the first fit's).
   marker            keep_optimizer_state=False: fit, save_checkpoint(p) (weights only, marked so); fit again, saving
                     into p from a callback (DeepSpeed's own checkpoint, optimizer included); print "MARKER" and
                     whether it is still there, then the warnings of a new Trainer's fit(ckpt_path=p).
@@ -76,6 +77,12 @@ def main() -> None:
         if rank == 0:
             print("AGAIN", state_digest(module), flush=True)
             print("REWRITTEN", stagesafe.read_manifest(strategy.last_boundary.uri) != committed, flush=True)
+        saved = os.path.join(root, "after_again.ckpt")
+        trainer.save_checkpoint(saved)  # between calls: the engine state kept from the first fit
+        if rank == 0:
+            states = torch.load(os.path.join(saved, "checkpoint", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                                weights_only=False)
+            print("KEPT_STEPS", states["global_steps"], flush=True)
             for warning in caught:
                 print("WARNING", str(warning.message).replace("\n", " "), flush=True)
     if mode == "marker":
