@@ -559,10 +559,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
         # A fit that made no step (max_epochs already reached) trained nothing; one given a ckpt_path may have
         # loaded new weights into the engine (DeepSpeed's own load) even so.
-        trained = trainer is not None and trainer.state.fn == TrainerFn.FITTING and (
-            self._stepped or trainer.ckpt_path is not None
-        )
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        trained = fitted and (self._stepped or trainer.ckpt_path is not None)
         layout = zero_engine.optimizer_layout(engine) if fitted and engine is not None else None  # before destroy
         try:
             self._last_boundary = boundary.exit(
