@@ -176,6 +176,20 @@ def test_a_checkpoint_loaded_during_the_stage_is_what_the_module_and_the_handoff
     assert history_of(module).weights_from == {"stage": "validate", "global_step": 3}
 
 
+def test_the_weights_a_module_brings_name_the_first_call_that_writes_them(tmp_path):
+    """A validate before any fit writes the module's own weights: its manifest names that call and step, as a
+    fit's names its own (the commit line then reads "validate, step 0", not "weights")."""
+    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    boundary = _boundary(module, uri, writer)
+    boundary.enter(weights_from={"stage": "validate", "global_step": 0})
+    report = _end(boundary, weights_from={"stage": "validate", "global_step": 0}, background=False)
+    assert report.wrote
+    metadata = stagesafe.read_manifest(uri)["metadata"]
+    assert (metadata["stage"], metadata["global_step"]) == ("validate", 0)
+    _stage(module, uri, writer, "test")  # a later call finds its weights in the handoff and writes nothing
+    assert stagesafe.read_manifest(uri)["metadata"]["stage"] == "validate"
+
+
 def test_with_a_rank_elsewhere_rank_zero_writes_alone_and_the_next_stage_writes_again(tmp_path):
     module, writer, uri = _net(), _writer(), str(tmp_path / "h")
     values = _values(module)

@@ -157,12 +157,14 @@ class StageBoundary:
 
     # -- entering -------------------------------------------------------------------------------------------
     @no_collector_passes()
-    def enter(self, *, resume_from: HandoffTarget | None = None) -> None:
+    def enter(self, *, resume_from: HandoffTarget | None = None, weights_from: Mapping[str, Any] | None = None) -> None:
         """Check the module is clean; note what it holds.
 
         ``resume_from``: a handoff (perhaps written by another job, at another world size) whose weights the
         module takes before its first stage under stagesafe; ignored for a module that has been through one.
         A module on the meta device (meta mode) is not loaded: its engine is built from that handoff.
+        ``weights_from``: this call's stage and step, which the handoff's metadata names for the weights a
+        module brings to its first stage (no stage trained them: the first call that writes them is named).
         """
         start = time.perf_counter()
         assert_clean(self.module, fresh=self.options.fresh)  # before anything changes
@@ -178,7 +180,7 @@ class StageBoundary:
                 "stage with StageSafeDeepSpeedStrategy(between_stages='meta')"
             )
         if history is None:
-            tensors, history = self._first_stage(tensors, resume_from, on_meta)
+            tensors, history = self._first_stage(tensors, resume_from, on_meta, weights_from or {})
         history.note_names(tensors, fresh=built)
         self.history = history
         self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
@@ -201,13 +203,16 @@ class StageBoundary:
         return {n for n, p in params if id(p) in self.options.fresh and zero_engine.is_zero3_param(p)}
 
     def _first_stage(
-        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool
+        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool,
+        weights_from: Mapping[str, Any],
     ) -> tuple[dict[str, torch.Tensor], ModuleHistory]:
         """A module's first stage under stagesafe: it takes ``resume_from``'s weights (a module of meta tensors
-        is built from that handoff instead), and its history starts."""
+        is built from that handoff instead), and its history starts, naming this call as where its weights are
+        from unless they are resumed."""
         if resume_from is not None and not on_meta:
             tensors = self._resume(resume_from)
         history = new_history(self.module)
+        history.weights_from = dict(weights_from)
         if resume_from is not None:
             history.target = resume_from if on_meta else None
             history.weights_from = {"resumed_from": resume_from.uri}
