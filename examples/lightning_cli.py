@@ -5,8 +5,8 @@
     DS_ACCELERATOR=cpu python examples/lightning_cli.py fit --trainer.strategy=stagesafe_deepspeed_stage_3 \\
         --trainer.accelerator=cpu --trainer.devices=2
 
-``import stagesafe.strategy`` registers the names ``stagesafe_deepspeed_stage_{1,2,3}``,
-``..._stage_2_offload`` and ``..._stage_3_offload`` (so does ``import stagesafe`` once Lightning is imported).
+``import stagesafe`` registers the names ``stagesafe_deepspeed_stage_{1,2,3}``, ``..._stage_2_offload`` and
+``..._stage_3_offload``, before or after Lightning's imports.
 The class path form (``class_path: stagesafe.StageSafeDeepSpeedStrategy`` with ``init_args``) reaches every
 argument, ``handoff_uri`` and ``storage_options`` included.
 
@@ -24,8 +24,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-import stagesafe
-import stagesafe.strategy  # registers the stagesafe_deepspeed_* names, whatever was imported first
+import stagesafe  # registers the stagesafe_deepspeed_* names, whatever was imported first
 
 
 class TinyLM(pl.LightningModule):

@@ -2,6 +2,9 @@
 
     DS_ACCELERATOR=cpu python examples/stage_sequence.py [--handoff-uri URL] [--precision bf16-mixed]
 
+The handoff goes to a folder of this checkout's own under the temporary directory (``stagesafe-demo-<hash of the
+checkout's path>``) unless ``--handoff-uri`` names one; a new run of the demo replaces the last one's there.
+
 After every Trainer call StageSafeDeepSpeedStrategy writes the weights as safetensors (the handoff),
 destroys the engine and gives the module back plain tensors. This prints, per stage, the time spent at the
 boundary, the handoff's size and the clean check, then proves the module and the handoff hold the same bits.
@@ -11,6 +14,7 @@ Lightning starts rank 1 by re-running this script; only rank 0 prints.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import tempfile
 import warnings
@@ -56,14 +60,21 @@ def data(n: int = 256) -> DataLoader:
     return DataLoader(TensorDataset(tokens, (tokens * 7 + 3) % 101), batch_size=16)
 
 
+def _demo_folder() -> str:
+    """This checkout's own folder for the demo's handoff: two checkouts on one machine never share one."""
+    checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    tag = hashlib.sha256(checkout.encode()).hexdigest()[:8]
+    return os.path.join(tempfile.gettempdir(), f"stagesafe-demo-{tag}", "handoff")
+
+
 def main() -> None:
-    # This demo's own output only: torch.distributed's deprecation notices about the collectives DeepSpeed calls
-    # in every training step, and Lightning's about its own internals, say nothing about this script.
-    warnings.filterwarnings("ignore", category=FutureWarning)
+    # This demo's own output only: Lightning's notices about its own internals (once per rank) say nothing about
+    # this script. (torch's per-step deprecation notices about DeepSpeed's collectives the strategy filters itself,
+    # for every script: docs/troubleshooting.md#per-step-warnings.)
     warnings.filterwarnings("ignore", message=".*isinstance\\(treespec, LeafSpec\\).*")
     warnings.filterwarnings("ignore", message=".*DistributedSampler.*")
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--handoff-uri", default=os.path.join(tempfile.gettempdir(), "stagesafe-demo", "handoff"))
+    parser.add_argument("--handoff-uri", default=_demo_folder())
     parser.add_argument("--precision", default="bf16-mixed")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
@@ -71,7 +82,8 @@ def main() -> None:
 
     pl.seed_everything(0, verbose=False)
     model = TinyLM()
-    strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3, handoff_uri=args.handoff_uri)
+    # overwrite_handoff: the demo's folder holds the last run's handoff, which this run replaces
+    strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3, handoff_uri=args.handoff_uri, overwrite_handoff=True)
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, strategy=strategy, precision=args.precision,
         max_epochs=2, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -96,7 +108,8 @@ def main() -> None:
     print(f"{'stage':<9} {'enter s':>8} {'leave s':>8} {'handoff':>10} {'written':>8}  clean  weight after")
     for stage, report, numel, dtype in rows:
         clean = "yes" if report.clean else "NO: " + "; ".join(report.stale_problems)
-        size = f"{report.handoff_bytes / 1e3:.1f} kB" if report.handoff_bytes < 1e6 else f"{report.handoff_bytes / 1e6:.1f} MB"
+        n = report.handoff_bytes  # the tensors' bytes, shown as the commit line shows them
+        size = f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
         print(f"{stage:<9} {report.enter_seconds:8.3f} {report.seconds:8.3f} {size if report.wrote else '-':>10} "
               f"{'yes' if report.wrote else 'no':>8}  {clean:<5}  {numel} x {dtype}")
     handoff = stagesafe.load_state_dict(args.handoff_uri)

@@ -6,9 +6,8 @@ fsspec URL.
 
 ``import stagesafe`` loads only the errors: every public function and the strategy load on first use (PEP 562),
 so that the ``stagesafe`` command line pays for neither torch, Lightning nor DeepSpeed. The strategy registers
-its names (``Trainer(strategy="stagesafe_deepspeed_stage_3")``) when ``stagesafe.strategy`` is imported (as
-``stagesafe.StageSafeDeepSpeedStrategy`` does), and at ``import stagesafe`` if ``lightning.pytorch`` is
-imported already. A LightningCLI script that selects it by name imports ``stagesafe.strategy`` first.
+its names (``Trainer(strategy="stagesafe_deepspeed_stage_3")``) whichever of ``import stagesafe`` and
+``import lightning`` comes first (:mod:`stagesafe._registration`).
 """
 
 from __future__ import annotations
@@ -113,3 +112,7 @@ sys.modules[__name__].__class__ = _Package
 
 if "lightning.pytorch" in sys.modules:  # the user works with Lightning: register the strategy names now
     importlib.import_module("stagesafe.strategy")
+else:  # or once Lightning is imported, without importing it here (stagesafe._registration says how)
+    from stagesafe._registration import register_once_lightning_loads
+
+    register_once_lightning_loads()

@@ -15,21 +15,22 @@ import contextlib
 import io
 import logging
 import os
-import sys
 
 import torch
 from lightning.pytorch.accelerators import CPUAccelerator
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from stagesafe.comm_op_build import watch_comm_op_build
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_requested", "comm_op_folder"]
+__all__ = ["CPUCapableDeepSpeedStrategy", "use_deepspeed_cpu_accelerator", "cpu_requested"]
 
-_COMM_OP = "deepspeed_shm_comm"  # the name DeepSpeed's ShareMemCommBuilder builds under
 _HINT = (
-    "; to run DeepSpeed on CPU processes (gloo), as stagesafe's strategy can, set DS_ACCELERATOR=cpu in the "
-    "environment before starting the script"
+    "To run DeepSpeed on CPU processes (gloo), as stagesafe's strategy can, set DS_ACCELERATOR=cpu in the "
+    "environment before starting the script."
 )
 
 
@@ -48,32 +49,6 @@ def use_deepspeed_cpu_accelerator() -> None:
         set_accelerator(CPU_Accelerator())
 
 
-def comm_op_folder() -> str:
-    """Where torch builds (and finds) DeepSpeed's CPU comm op: torch's rule for JIT extensions."""
-    root = os.environ.get("TORCH_EXTENSIONS_DIR")
-    if root is None:
-        from torch.utils.cpp_extension import get_default_build_root
-
-        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
-        root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
-    return os.path.join(root, _COMM_OP)
-
-
-def announce_comm_op_build() -> None:
-    """DeepSpeed JIT-builds its CPU comm op the first time its comm backend starts in an environment: 30 s to a
-    few minutes with nothing printed. Say so, on rank 0, when it is not built yet."""
-    folder = comm_op_folder()
-    if os.path.isfile(os.path.join(folder, f"{_COMM_OP}.so")):
-        return
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-    rank_zero_info(
-        f"stagesafe: DeepSpeed is building its CPU comm op in {folder} (once per environment: 30 s to a few "
-        "minutes, with g++ and ninja; set TORCH_EXTENSIONS_DIR to keep one folder per environment)"
-    )
-
-
 class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
     """Lightning's DeepSpeedStrategy, unchanged except that ``accelerator="cpu"`` works with DS_ACCELERATOR=cpu."""
 
@@ -86,7 +61,7 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
             try:
                 super().setup_environment()  # Lightning's refusal of the CPU
             except RuntimeError as exc:
-                raise RuntimeError(f"{exc}{_HINT}") from None
+                raise RuntimeError(f"{exc} {_HINT}") from None  # Lightning's sentence, then the hint
             return
         use_deepspeed_cpu_accelerator()
         assert self.parallel_devices is not None
@@ -96,14 +71,14 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
     @override
     def _init_deepspeed_distributed(self) -> None:
         """On the CPU, DeepSpeed's comm backend prints "... built successfully" on every rank once it has
-        loaded its shared-memory op; that line is left out, anything else it prints is logged."""
+        loaded its shared-memory op; that line is left out, anything else it prints is logged. A build of
+        the op (missing or stale) is said on rank 0 (:mod:`stagesafe.comm_op_build`)."""
         if not isinstance(self.accelerator, CPUAccelerator):
             super()._init_deepspeed_distributed()
             return
-        announce_comm_op_build()
         printed = io.StringIO()
         try:
-            with contextlib.redirect_stdout(printed):
+            with watch_comm_op_build(rank_zero_info), contextlib.redirect_stdout(printed):
                 super()._init_deepspeed_distributed()
         finally:
             for line in printed.getvalue().splitlines():

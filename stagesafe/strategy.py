@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import copy
 import inspect
 import logging
@@ -19,6 +20,7 @@ from typing import Any, Mapping, Optional, Union
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
 from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
+from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.strategies.deepspeed import warning_cache
@@ -27,6 +29,7 @@ from torch.nn import Module
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from stagesafe import _registration as registration
 from stagesafe.errors import (
     DistributedStageError,
     EngineReleasedError,
@@ -39,11 +42,19 @@ from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
-from stagesafe.trainer_messages import boundary_line, say_committed, say_versioned, warn_if_fit_has_nothing_left
+from stagesafe.trainer_messages import (
+    boundary_line,
+    say_committed,
+    say_unchanged,
+    say_versioned,
+    warn_if_fit_has_nothing_left,
+)
 from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
     check_local_handoff,
+    check_positional,
+    check_zero_stage,
     checked_bool,
     checked_storage_options,
     checked_url,
@@ -54,6 +65,7 @@ from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.ownership import claim_folder
 from stagesafe.stages.writer import HandoffWriter
+from stagesafe.upstream_warnings import quiet_per_step_warnings
 from stagesafe.zero import engine as zero_engine
 from stagesafe.zero.checkpoint_writer import (
     holds_optimizer_state,
@@ -128,7 +140,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         **kwargs: Any,
     ) -> None:
         known = {*inspect.signature(StageSafeDeepSpeedStrategy.__init__).parameters}
-        check_keywords(kwargs, known | {*inspect.signature(DeepSpeedStrategy.__init__).parameters}, owner=type(self).__name__)
+        stock = [name for name in inspect.signature(DeepSpeedStrategy.__init__).parameters if name != "self"]
+        check_keywords(kwargs, known | {*stock}, owner=type(self).__name__)
+        check_positional(args, stock, owner=type(self).__name__, accelerator=Accelerator)
+        check_zero_stage(kwargs.get("stage", 2))
         # Lightning writes into the config it is given; a copy keeps the caller's dict reusable.
         super().__init__(*args, config=copy.deepcopy(config), **kwargs)
         self.storage_options = checked_storage_options(storage_options)
@@ -142,6 +157,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         parse_size(max_shard_size)
         self.max_shard_size = max_shard_size
         config_known = isinstance(self.config, dict)  # a config file is read later
+        if config_known and isinstance(self.config.get("zero_optimization"), dict):
+            stage = self.config["zero_optimization"].get("stage", 0)
+            check_zero_stage(stage, where="config['zero_optimization']['stage']")
         check_between_stages(between_stages, zero_stage_3=bool(self.zero_stage_3) if config_known else None)
         self.between_stages = between_stages
         self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
@@ -155,6 +173,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._boundary: StageBoundary | None = None
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
         self._calls = 0
+        self._stepped = False  # an optimizer step was made in this call
         self._last_ending: Ending | None = None  # a call that failed on some rank: meet before the next
         self._failed_ranks: list[int] | None = None  # its failed ranks: later collectives may find the group broken
         self._last_boundary: BoundaryReport | None = None
@@ -170,7 +189,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @override
     def setup_environment(self) -> None:
         """Lightning's; first, a ``resume_from`` the module will take is looked at on every rank, before
-        DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank."""
+        DeepSpeed starts its process group: a handoff that is not there fails here, in one line per rank. The
+        upstream warnings printed at every step are filtered here, on every rank
+        (:mod:`~stagesafe.upstream_warnings`)."""
+        quiet_per_step_warnings()
         module = self.lightning_module
         fresh = module is not None and history_of(module) is None
         if self.resume_from is not None and fresh and not collectives.is_up():
@@ -199,27 +221,30 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         writer = self._writer_for(target)
         self._calls += 1
         writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
-        warn_if_fit_has_nothing_left(trainer)
-        boundary = StageBoundary(module, target, self._stage_options(trainer), writer=writer)
+        # A fit with nothing left to train changes nothing: its boundary is that of a stage that does not train.
+        trains = trainer.state.fn == TrainerFn.FITTING and not warn_if_fit_has_nothing_left(trainer)
+        self._stepped = False
+        boundary = StageBoundary(module, target, self._stage_options(trainer, trains=trains), writer=writer)
         self._fresh = set()
         resume = None
         if self.resume_from is not None:
             resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
-        boundary.enter(resume_from=resume)  # refuses a stale module before changing it
+        boundary.enter(resume_from=resume, weights_from=self._weights_from(trainer))  # refuses a stale module first
         self._boundary = boundary
         if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(_StageReturned())
         super().setup(trainer)
-        boundary.engine_built(self.model, training=trainer.state.fn == TrainerFn.FITTING)
+        boundary.engine_built(self.model, training=trains)
 
-    def _stage_options(self, trainer: "pl.Trainer") -> StageOptions:
-        """How this call's boundary runs: this strategy's arguments, the call's kind and device."""
+    def _stage_options(self, trainer: "pl.Trainer", *, trains: bool) -> StageOptions:
+        """How this call's boundary runs: this strategy's arguments, the call's kind and device; ``trains``:
+        the call may change the weights (a ``fit`` that has steps left)."""
         meta = self.between_stages == "meta"
         return StageOptions(
             trainer.state.fn.value,
             meta=meta,
             materialize=self._partition_from_handoff if meta else None,
-            training=trainer.state.fn == TrainerFn.FITTING,
+            training=trains,
             device=self.root_device,
             fresh=frozenset(self._fresh),
             keep_optimizer_state=self.keep_optimizer_state,
@@ -308,9 +333,30 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     ) -> Any:
         """Lightning's; after the first real step the boundary sizes the optimizer state it keeps at the end."""
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._stepped = True
         if self._boundary is not None and self._engine_is_live:
             self._boundary.optimizer_stepped(self.model)
         return result
+
+    @override
+    def on_validation_start(self) -> None:
+        self._loop_started()
+        super().on_validation_start()
+
+    @override
+    def on_test_start(self) -> None:
+        self._loop_started()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._loop_started()
+        super().on_predict_start()
+
+    def _loop_started(self) -> None:
+        """After Lightning restored any ``ckpt_path``: an inference stage's weights may be written now."""
+        if self._boundary is not None:
+            self._boundary.loop_started()
 
     # -- collectives ------------------------------------------------------------------------------------------
     @override
@@ -452,6 +498,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             )
             self.barrier("stagesafe: checkpoint written")
             return
+        if "lr_schedulers" in client:  # weights only, as the warning says: schedulers start afresh with the optimizer
+            client["lr_schedulers"] = []
         if checkpoint.get("loops") is not None:  # a training checkpoint (weights-only ones have no loops)
             rank_zero_warn(
                 f"trainer.save_checkpoint({os.fspath(filepath)!r}) between Trainer calls writes the weights but no "
@@ -546,14 +594,20 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=grace)
         if ending.failed or ending.broken:  # the next call meets first; its collectives may find the group broken
             self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
+        # A fit that made no step (max_epochs already reached) trained nothing; one given a ckpt_path may have
+        # loaded new weights into the engine (DeepSpeed's own load) even so.
+        fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        trained = fitted and (self._stepped or trainer.ckpt_path is not None)
+        layout = zero_engine.optimizer_layout(engine) if fitted and engine is not None else None  # before destroy
         try:
             self._last_boundary = boundary.exit(
                 engine,
-                trained=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
+                trained=trained,
                 weights_from=self._weights_from(trainer) if trainer is not None else {},
                 gather=ending.gather,
                 background=not failed,
                 lr_schedulers=[config.scheduler.state_dict() for config in self.lr_scheduler_configs],
+                failed=failed or bool(ending.failed) or ending.broken,
             )
         except Exception as exc:
             if not failed:
@@ -561,9 +615,22 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             # The stage already failed: that error is the one to raise, not this consequence of it.
             log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
             self._last_boundary = boundary.report
+        else:
+            if fitted and not trained and not failed and not self._last_boundary.wrote:
+                say_unchanged(self._last_boundary.uri)
         finally:
             self.model = boundary.module
-            self.optimizers = []
+            self._give_back_optimizers(fitted, layout)
+
+    def _give_back_optimizers(self, fitted: bool, layout: Optional[zero_engine.OptimizerLayout]) -> None:
+        """After a fit, as stock keeps them: ``trainer.optimizers`` the user's optimizer over the module's
+        parameters, the lr as the fit left it (its state is the kept one: ``save_checkpoint``), and
+        ``trainer.lr_scheduler_configs`` the schedulers at their step; nothing of the engine. Another call
+        leaves them as the last fit did (Lightning sets them up only for a fit)."""
+        if not fitted:
+            return
+        self.optimizers = [zero_engine.plain_optimizer(layout)] if layout is not None else []
+        if layout is None:
             self.lr_scheduler_configs = []
 
     def _teardown_without_moving_the_module(self) -> None:
@@ -598,9 +665,13 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
 
     def acknowledge_handoff_failure(self) -> None:
         """Go on after a failed handoff write: ``wait_for_handoff()`` and the boundary's log line stop saying
-        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them."""
+        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them.
+        The last boundary's report then says what the folder holds: no write of that stage (``wrote=False``)."""
+        failed = self._handoff_failure()
         for writer in self._writers():
             writer.failed = None
+        if failed is not None and self._last_boundary is not None and self._last_boundary.uri == failed[0]:
+            self._last_boundary = dataclasses.replace(self._last_boundary, wrote=False)
 
     def _handoff_failure(self) -> tuple[str, BaseException] | None:
         """The failure of the last joined write, while no write since has committed and the user has not
@@ -624,15 +695,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
-        offload = {"offload_optimizer": True}
-        for name, description, arguments in (
-            *((f"stage_{n}", f"ZeRO stage {n}", {"stage": n}) for n in (1, 2, 3)),
-            ("stage_2_offload", "ZeRO stage 2 with CPU optimizer offload", {"stage": 2, **offload}),
-            ("stage_3_offload", "ZeRO stage 3 with CPU offload", {"stage": 3, **offload, "offload_parameters": True}),
-        ):
-            strategy_registry.register(
-                f"stagesafe_deepspeed_{name}", cls, description=f"stagesafe: DeepSpeed {description}", **arguments
-            )
+        registration.register(strategy_registry, cls)
 
 _RESTART = (
     "Restart the job; it continues from the last committed handoff with "
@@ -660,3 +723,4 @@ def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict:
 
 
 StageSafeDeepSpeedStrategy.register_strategies(StrategyRegistry)
+registration.stop_observing()

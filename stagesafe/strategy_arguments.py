@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
-from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError
+from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError, shown
 from stagesafe.flags import checked_flag as checked_bool  # the strategy's flags: one check for the whole API
 from stagesafe.handoff.fs import check_not_a_file, is_local, resolve
 from stagesafe.handoff.manifest import MANIFEST_NAME
@@ -20,6 +20,8 @@ __all__ = [
     "check_between_stages",
     "check_keywords",
     "check_local_handoff",
+    "check_positional",
+    "check_zero_stage",
     "checked_bool",
     "checked_storage_options",
     "checked_url",
@@ -37,6 +39,30 @@ def check_keywords(kwargs: Mapping[str, Any], known: Iterable[str], *, owner: st
             close = difflib.get_close_matches(name, names, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"{owner}() got an unexpected keyword argument {name!r}{hint}")
+
+
+def check_positional(args: tuple, names: Iterable[str], *, owner: str, accelerator: type) -> None:
+    """Arguments are taken by keyword. One positional is accepted where Lightning's own takes it: an
+    ``accelerator`` (an instance of ``accelerator``, or None); any other lands where it was not meant to
+    (``StageSafeDeepSpeedStrategy(3)`` would make 3 the accelerator, the stage staying 2)."""
+    if not args or (len(args) == 1 and (args[0] is None or isinstance(args[0], accelerator))):
+        return
+    landed = ", ".join(f"{name}={shown(value, 40)}" for name, value in zip(names, args))
+    stage = args[0] if isinstance(args[0], int) and not isinstance(args[0], bool) and len(args) == 1 else None
+    hint = f"; for ZeRO stage {stage} pass stage={stage}" if stage is not None else ""
+    raise TypeError(
+        f"{owner}() takes its arguments by keyword, but got {len(args)} positional: they would land in "
+        f"DeepSpeedStrategy's {landed}{hint}. Pass each argument by name, e.g. {owner}(stage=3)"
+    )
+
+
+def check_zero_stage(value: Any, *, where: str = "stage") -> None:
+    """A ZeRO stage is 0, 1, 2 or 3 (an int; ``True`` is refused), as DeepSpeed knows them."""
+    if isinstance(value, bool) or not isinstance(value, int) or value not in (0, 1, 2, 3):
+        raise InvalidArgumentError(
+            f"{where}={shown(value, 40)} is not a ZeRO stage: pass 0, 1, 2 (the default) or 3 "
+            "(1: optimizer state partitioned; 2: and gradients; 3: and parameters)"
+        )
 
 
 def checked_storage_options(value: Any) -> dict[str, Any]:

@@ -15,12 +15,15 @@ if TYPE_CHECKING:
 
     from stagesafe.stages.boundary import BoundaryReport
 
-__all__ = ["boundary_line", "megabytes", "say_committed", "say_versioned", "warn_if_fit_has_nothing_left"]
+__all__ = [
+    "boundary_line", "megabytes", "say_committed", "say_unchanged", "say_versioned", "warn_if_fit_has_nothing_left"
+]
 
 
 def say_committed(uri: str, commit: Any, seconds: float) -> None:
-    """Rank 0's line, at Lightning's default level, once a background write has committed."""
-    size = sum(record["size"] for record in commit.manifest["shards"].values())
+    """Rank 0's line, at Lightning's default level, once a background write has committed. Its size is the
+    tensors' bytes (the index's ``total_size``), as the boundary line and ``last_boundary.handoff_bytes`` say."""
+    size = commit.manifest["total_size"]
     metadata = commit.manifest.get("metadata", {})
     what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")
@@ -57,12 +60,12 @@ def megabytes(n: int) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
-def warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
+def warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> bool:
     """Lightning's ``fit`` on a Trainer that already reached its ``max_epochs``/``max_steps`` returns at once
-    without training; users who reuse one Trainer across stages meet that silently."""
+    without training; users who reuse one Trainer across stages meet that silently. Returns whether it warned."""
     loop = trainer.fit_loop
     if trainer.state.fn != TrainerFn.FITTING or trainer.ckpt_path is not None:
-        return
+        return False
     steps = loop.max_steps not in (None, -1) and loop.epoch_loop.global_step >= loop.max_steps
     epochs = loop.max_epochs not in (None, -1) and loop.epoch_progress.current.processed >= loop.max_epochs
     if steps or epochs:
@@ -72,3 +75,11 @@ def warn_if_fit_has_nothing_left(trainer: "pl.Trainer") -> None:
             f"trainer.fit_loop.{'epoch_loop.max_steps' if steps else 'max_epochs'} before calling fit, or use a new "
             "Trainer (the module keeps its weights across Trainers)"
         )
+    return steps or epochs
+
+
+def say_unchanged(uri: str) -> None:
+    """Rank 0's line, at Lightning's default level, after a ``fit`` that made no optimizer step and whose handoff
+    already held the module's weights: nothing was written."""
+    rank_zero_info(f"stagesafe: fit made no optimizer step; the weights are unchanged and the handoff at {uri} "
+                   "already holds them: not written again")

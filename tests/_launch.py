@@ -407,3 +407,18 @@ def end_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     groups._WORLD_GROUP = None
+
+
+def run_recorded(
+    script: str, args: Sequence[str], *, timeout: float, cwd: str, expect_ok: bool = True
+) -> tuple[list[ProcessResult], list[list[dict]]]:
+    """Run a 2-rank job script whose ranks print ``RECORD {json}`` lines; returns the results and each rank's
+    records, in order. ``expect_ok=False``: a rank that exits non-zero is a result, not a failure."""
+    try:
+        results = run_ranks(script, args, timeout=timeout, cwd=cwd)
+    except LaunchError as failed:
+        if expect_ok:
+            raise
+        results = failed.results
+    records = [[json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RECORD ")] for r in results]
+    return results, records

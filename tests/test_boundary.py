@@ -4,6 +4,7 @@ store (torch.distributed's HashStore)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
@@ -121,12 +122,14 @@ def test_a_first_stage_resumes_from_a_handoff_into_the_same_parameter_objects(tm
 
 
 # -- leaving ----------------------------------------------------------------------------------------------------
-def test_an_inference_stage_writes_its_weights_while_it_runs_and_once(tmp_path):
+def test_an_inference_stage_writes_its_weights_while_its_loop_runs_and_once(tmp_path):
     module, writer, uri = _net(), _writer(), str(tmp_path / "h")
     objects, values = _objects(module), _values(module)
     boundary = _boundary(module, uri, writer)
     boundary.enter()
-    assert writer.pending  # started at entry, from the tensors the boundary keeps
+    assert not writer.pending  # not before the loop: Lightning may still fail on its ckpt_path
+    boundary.loop_started()
+    assert writer.pending  # started as the loop starts, from the tensors the boundary kept at entry
     report = _end(boundary)
     assert report.wrote and report.clean and not writer.pending  # the stage's end joined it
     assert all(_objects(module)[n] is t for n, t in objects.items())
@@ -171,6 +174,20 @@ def test_a_checkpoint_loaded_during_the_stage_is_what_the_module_and_the_handoff
     metadata = stagesafe.read_manifest(uri)["metadata"]
     assert (metadata["stage"], metadata["global_step"]) == ("validate", 3)
     assert history_of(module).weights_from == {"stage": "validate", "global_step": 3}
+
+
+def test_the_weights_a_module_brings_name_the_first_call_that_writes_them(tmp_path):
+    """A validate before any fit writes the module's own weights: its manifest names that call and step, as a
+    fit's names its own (the commit line then reads "validate, step 0", not "weights")."""
+    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    boundary = _boundary(module, uri, writer)
+    boundary.enter(weights_from={"stage": "validate", "global_step": 0})
+    report = _end(boundary, weights_from={"stage": "validate", "global_step": 0}, background=False)
+    assert report.wrote
+    metadata = stagesafe.read_manifest(uri)["metadata"]
+    assert (metadata["stage"], metadata["global_step"]) == ("validate", 0)
+    _stage(module, uri, writer, "test")  # a later call finds its weights in the handoff and writes nothing
+    assert stagesafe.read_manifest(uri)["metadata"]["stage"] == "validate"
 
 
 def test_with_a_rank_elsewhere_rank_zero_writes_alone_and_the_next_stage_writes_again(tmp_path):
@@ -359,3 +376,44 @@ def _recipes_in(state):
             yield from _recipes_in(value)
     elif not isinstance(state, torch.Tensor) and hasattr(state, "build"):
         yield state
+
+
+def test_a_call_that_failed_before_any_step_writes_no_handoff_and_the_next_call_does(tmp_path, caplog):
+    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    values = _values(module)
+    boundary = _boundary(module, uri, writer, "test")
+    boundary.enter()
+    with caplog.at_level(logging.INFO, logger="stagesafe"):
+        report = _end(boundary, background=False, failed=True)  # e.g. a ckpt_path that does not exist
+    assert not report.wrote and not os.path.exists(uri)
+    assert "the test call failed before any optimizer step: no handoff written" in caplog.text
+    assert_bitwise_equal(_values(module), values)
+    assert _stage(module, uri, writer, "test").wrote  # the module's weights are written by the next call
+    writer.join()
+    assert_bitwise_equal(stagesafe.load_state_dict(uri), values)
+
+
+def test_the_collector_makes_no_passes_during_a_boundary_and_runs_again_after(tmp_path):
+    module = nn.Sequential(*[nn.Linear(2, 2) for _ in range(1500)])  # 3000 tensors: thousands of allocations
+    writer, passes = _writer(), []
+    boundary = _boundary(module, str(tmp_path / "h"), writer, "fit", training=True)
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] < 2:  # automatic passes (a gc.collect() is a full one)
+            passes.append(info["generation"])
+
+    gc.callbacks.append(count)
+    try:
+        boundary.enter()
+        during_enter = len(passes)
+        gc.collect(1)
+        passes.clear()
+        report = _end(boundary, trained=True)
+        during_exit = len(passes)
+        assert gc.isenabled()
+        [[] for _ in range(5000)]  # and the collector runs again
+    finally:
+        gc.callbacks.remove(count)
+    writer.join()
+    # at most the one pass as the collector resumes (dozens each, without the pause)
+    assert report.wrote and during_enter <= 1 and during_exit <= 1 and len(passes) > during_exit

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import stat
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from torch import nn
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.zero.checkpoint_writer import (
+    RECOVERY_SCRIPTS,
     WEIGHTS_ONLY_MARKER,
     holds_optimizer_state,
     is_weights_only,
@@ -103,6 +105,20 @@ def test_the_folder_says_it_holds_weights_only(tmp_path):
         "zero_pp_rank_0_mp_rank_00_model_states.pt",
         OPTIM_FILE,
     ]
+    assert sorted(os.listdir(path)) == sorted(["latest", "mine", WEIGHTS_ONLY_MARKER, *RECOVERY_SCRIPTS])
+    _assert_deepspeeds_scripts_are_there(path)
+
+
+def _assert_deepspeeds_scripts_are_there(path: str) -> None:
+    """DeepSpeed's engine copies its recovery scripts into the folder it saves, executable: so does stagesafe."""
+    import deepspeed
+
+    for script in RECOVERY_SCRIPTS:
+        copied = os.path.join(path, script)
+        shipped = os.path.join(os.path.dirname(deepspeed.__file__), "utils", script)
+        with open(copied, "rb") as mine, open(shipped, "rb") as theirs:
+            assert mine.read() == theirs.read(), script
+        assert os.stat(copied).st_mode & stat.S_IXUSR, script
 
 
 @pytest.mark.parametrize("bf16", [True, False])
@@ -178,9 +194,10 @@ def test_the_kept_files_are_written_as_deepspeed_names_them_with_the_client_stat
     assert set(optim) == {"optimizer_state_dict"}  # the client state goes to model states only, as DeepSpeed does
     assert open(os.path.join(path, "latest")).read() == "checkpoint"
     assert not is_weights_only(path)
+    _assert_deepspeeds_scripts_are_there(path)
 
 
 def test_ranks_without_latest_write_only_their_files(tmp_path):
     path = str(tmp_path / "ckpt")
     write_engine_checkpoint(path, {"zero_pp_rank_1_mp_rank_00_model_states.pt": {}}, client_state={}, latest=False)
-    assert os.listdir(path) == ["checkpoint"]
+    assert os.listdir(path) == ["checkpoint"]  # rank 0 writes latest and the scripts

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from _launch import run_script
@@ -12,18 +13,24 @@ EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 pytestmark = pytest.mark.slow
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(540)
 def test_stage_sequence_demo(tmp_path):
-    result = run_script(
-        os.path.join(EXAMPLES, "stage_sequence.py"), ["--handoff-uri", str(tmp_path / "handoff")], timeout=240
-    )
+    demo = os.path.join(EXAMPLES, "stage_sequence.py")
+    first = run_script(demo, ["--handoff-uri", str(tmp_path / "handoff")], timeout=240)
+    result = run_script(demo, ["--handoff-uri", str(tmp_path / "handoff")], timeout=240)  # again: it replaces its own
+    assert first.stdout.split("\n\n")[-1] == result.stdout.split("\n\n")[-1]  # the same bits, checked the same way
     rows = {}
     for line in result.stdout.splitlines():
         cells = line.split()
         if cells and cells[0] in ("validate", "fit", "test", "predict"):
-            cells = [c for c in cells if c not in ("kB", "MB")]
-            rows[cells[0]] = cells  # stage, enter s, leave s, handoff size or -, written, clean, numel, x, dtype
+            rows[cells[0]] = cells  # stage, enter s, leave s, size and unit or -, written, clean, numel, x, dtype
+            if cells[4] in ("kB", "MB"):
+                cells[3:5] = [" ".join(cells[3:5])]
     assert list(rows) == ["validate", "fit", "test", "predict"]
+    # Each commit line names its call and step, and the size the table shows (the same bytes, unit and rounding).
+    line = r"stagesafe: handoff committed at \S+ \((\w+), step (\d+); ([\d.]+ [kM]B) in "
+    committed = re.findall(line, result.stderr)
+    assert [(stage, size) for stage, _, size in committed] == [(s, rows[s][3]) for s in ("validate", "fit")], committed
     quickstart = open(os.path.join(os.path.dirname(EXAMPLES), "docs", "quickstart.md")).read()
     header = next(line for line in result.stdout.splitlines() if line.startswith("stage "))
     assert header in quickstart  # the quickstart shows this table
@@ -34,6 +41,23 @@ def test_stage_sequence_demo(tmp_path):
         assert cells[5] == "yes"  # the clean check passed
         assert cells[6:] == ["4096", "x", "torch.float32"]  # real weights in the original dtype
     assert "module.state_dict() == handoff, bitwise: True" in result.stdout
+
+
+def test_each_checkout_has_its_own_demo_folder(tmp_path):
+    """Not one fixed /tmp/stagesafe-demo shared by every checkout on the machine: a folder per checkout."""
+    import importlib.util
+    import shutil
+
+    folders = []
+    for checkout in ("a", "b", "a"):
+        os.makedirs(tmp_path / checkout / "examples", exist_ok=True)
+        copy = shutil.copy(os.path.join(EXAMPLES, "stage_sequence.py"), tmp_path / checkout / "examples")
+        spec = importlib.util.spec_from_file_location(f"demo_{len(folders)}", copy)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        folders.append(module._demo_folder())
+    assert folders[0] == folders[2] != folders[1]
+    assert all(os.path.basename(f) == "handoff" and "stagesafe-demo-" in f for f in folders)
 
 
 @pytest.mark.timeout(240)

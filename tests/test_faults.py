@@ -6,12 +6,11 @@ where one rank fails alone wait for the process group's timeout (20 s here) and 
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 
-from _launch import LaunchError, run_ranks
+from _launch import run_recorded
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "faults.py")
@@ -22,14 +21,7 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 def _run(case: str, root, handoff: str | None = None, *, expect_ok: bool = True):
     args = [case, str(root)] + ([handoff] if handoff else [])
-    try:
-        results = run_ranks(SCRIPT, args, timeout=300, cwd=str(root))
-    except LaunchError as failed:
-        if expect_ok:
-            raise
-        results = failed.results
-    records = [[json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RECORD ")] for r in results]
-    return results, records
+    return run_recorded(SCRIPT, args, timeout=300, cwd=str(root), expect_ok=expect_ok)
 
 
 def _full_disk(tmpfs) -> str:
@@ -82,7 +74,7 @@ def test_after_a_failed_write_every_later_wait_and_boundary_line_say_so_until_ac
     lines = [line for line in results[0].stderr.splitlines() if "fit boundary" in line]
     assert len(lines) == 5, lines  # the call's own, then one per wait
     assert all("handoff write FAILED" in line for line in lines[1:4]), lines
-    assert "FAILED" not in lines[4] and "written at" in lines[4], lines
+    assert "FAILED" not in lines[4] and "handoff unchanged at" in lines[4], lines  # the old tree: "written at"
 
 
 def test_rank_0_killed_during_the_background_write_is_named_on_rank_1_as_a_distributed_stage_error(tmp_path):

@@ -89,6 +89,11 @@ def test_fit_again_on_a_trainer_that_reached_max_steps_says_it_will_not_train(tm
     assert _printed(rank0, "AGAIN") == _printed(rank0, "DIGEST")  # Lightning's fit returned without a step
     warned = [line for line in rank0.stdout.splitlines() if line.startswith("WARNING ")]
     assert any("already trained to max_steps=2" in line and "epoch_loop.max_steps" in line for line in warned), warned
+    # It changed nothing: the handoff is not written again, and one line says so.
+    assert _printed(rank0, "REWRITTEN") == "False"
+    assert _printed(rank0, "KEPT_STEPS") == "2"  # the first fit's engine state is still the one kept
+    said = [line for line in rank0.stderr.splitlines() if "fit made no optimizer step" in line]
+    assert len(said) == 1 and str(tmp_path / "h") in said[0] and "not written again" in said[0], rank0.stderr[-2000:]
 
 
 _STALLED = """
@@ -183,6 +188,16 @@ def test_after_fit_only_the_write_is_left_lightnings_thread_check_stops_it_and_i
     assert any("When saving the DeepSpeed Stage 3 checkpoint, each worker will save a shard" in w for w in warned)
     assert any("A single checkpoint file has been given. This means optimizer states cannot be restored." in w
                for w in warned)
+
+
+def test_a_checkpoint_saved_between_calls_holds_the_files_deepspeeds_own_save_holds(tmp_path):
+    """DeepSpeed's save during a stage puts its recovery scripts (zero_to_fp32.py, zero_to_torch.py) beside the
+    rank files; trainer.save_checkpoint between calls writes the same list of files, executable the same."""
+    rank0, _ = _job({"mode": "files", "root": str(tmp_path), "handoff_uri": str(tmp_path / "h"), "max_steps": 2})
+    files = {line.split()[1]: json.loads(line.split(" ", 2)[2]) for line in rank0.stdout.splitlines()
+             if line.startswith("FILES ")}
+    assert {"zero_to_fp32.py x", "zero_to_torch.py x", "latest"} <= set(files["during"]), files["during"]
+    assert files["between"] == files["during"]
 
 
 def test_deepspeed_saving_into_a_weights_only_checkpoint_folder_removes_its_marker(tmp_path):

@@ -1,8 +1,8 @@
 """A handoff belongs to the run that wrote it: jobs that follow on one folder, each a new 2-rank process.
 
 Job A fits and leaves its handoff in the default folder. Job B (``test`` with a ``ckpt_path`` that does not
-exist) and job C (a plain ``test``), new processes with fresh modules, leave it bitwise as it was: each writes
-to a versioned folder of its own, and rank 0 says where. A ``handoff_uri`` named by the user that holds another
+exist) and job C (a plain ``test``), new processes with fresh modules, leave it bitwise as it was: B fails
+before any step and writes nothing; C writes to a versioned folder of its own, and rank 0 says where. A ``handoff_uri`` named by the user that holds another
 run's handoff is refused on every rank before any step; ``resume_from`` it, or ``overwrite_handoff=True``,
 makes it this run's.
 """
@@ -10,12 +10,11 @@ makes it this run's.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 
 import pytest
 
-from _launch import LaunchError, run_ranks
+from _launch import run_recorded
 
 from stagesafe.stages.ownership import versioned
 
@@ -27,15 +26,8 @@ pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 def _job(job: str, root, handoff: str | None = None, *, expect_ok: bool = True):
     args = [job, str(root)] + ([handoff] if handoff else [])
-    try:
-        results = run_ranks(SCRIPT, args, timeout=180, cwd=str(root))
-    except LaunchError as failed:
-        if expect_ok:
-            raise
-        results = failed.results
-    records = [[json.loads(line[7:]) for line in r.stdout.splitlines() if line.startswith("RECORD ")][0]
-               for r in results]
-    return results, records
+    results, records = run_recorded(SCRIPT, args, timeout=180, cwd=str(root), expect_ok=expect_ok)
+    return results, [rank[0] for rank in records]
 
 
 def _bytes_of(folder: str) -> dict[str, str]:
@@ -46,6 +38,12 @@ def _bytes_of(folder: str) -> dict[str, str]:
     }
 
 
+def _written_folders(root) -> set[str]:
+    """The handoff folders under ``root`` that hold any file."""
+    return {name for name in os.listdir(root)
+            if name.startswith("stagesafe_handoff") and os.path.isdir(root / name) and os.listdir(root / name)}
+
+
 def test_jobs_that_follow_on_the_default_folder_never_replace_another_runs_handoff(tmp_path):
     default = str(tmp_path / "stagesafe_handoff")
     _, a = _job("fit", tmp_path)
@@ -54,10 +52,11 @@ def test_jobs_that_follow_on_the_default_folder_never_replace_another_runs_hando
     results, b = _job("bad_ckpt", tmp_path, expect_ok=False)
     assert all(r["error"] is not None and "FileNotFoundError" in r["error"]["mro"] for r in b)
     assert _bytes_of(default) == trained  # the old tree: B's untrained weights committed over A's
+    assert _written_folders(tmp_path) == {"stagesafe_handoff"}  # B failed before any step: it wrote nothing
     _, c = _job("test", tmp_path)
     assert _bytes_of(default) == trained
     assert c[0]["error"] is None
-    assert {r["uri"] for r in c} <= {versioned(default, 1), versioned(default, 2)}  # after B's, perhaps
+    assert [r["uri"] for r in c] == [versioned(default, 1)] * 2
     # a re-run of the same script works, beside the others, and says where it writes
     results, again = _job("fit", tmp_path)
     assert again[0]["error"] is None and again[0]["uri"] not in (default, c[0]["uri"])

@@ -20,8 +20,11 @@ def _python(code: str) -> str:
 @pytest.mark.slow
 @pytest.mark.parametrize("then", ["import stagesafe.strategy", "stagesafe.StageSafeDeepSpeedStrategy"])
 def test_strategy_names_are_registered_when_the_strategy_is_imported(then):
-    out = _python(f"import stagesafe, lightning.pytorch\n{REGISTERED}\n{then}\n{REGISTERED}")
-    assert out.splitlines() == ["[]", NAMES]
+    """Registered as soon as Lightning is imported, each name with a factory that imports the strategy; the
+    strategy's import puts the class itself in its place."""
+    entry = "print(StrategyRegistry['stagesafe_deepspeed_stage_3']['strategy'].__name__)"
+    out = _python(f"import stagesafe, lightning.pytorch\n{REGISTERED}\n{entry}\n{then}\n{REGISTERED}\n{entry}")
+    assert out.splitlines() == [NAMES, "_strategy", NAMES, "StageSafeDeepSpeedStrategy"]
 
 
 @pytest.mark.slow
@@ -30,9 +33,31 @@ def test_strategy_names_are_registered_at_import_when_lightning_is_there_first()
 
 
 @pytest.mark.slow
-def test_import_installs_no_import_hook():
-    out = _python("import sys\nbefore = list(sys.meta_path)\nimport stagesafe\nprint(sys.meta_path == before)")
-    assert out == "True"
+def test_strategy_names_are_registered_when_stagesafe_is_imported_before_lightning():
+    """The other order: ``import stagesafe`` first, then Lightning; a Trainer built by name gets the strategy
+    with the name's arguments."""
+    build = ("import lightning.pytorch as pl\n"
+             "t = pl.Trainer(strategy='stagesafe_deepspeed_stage_3_offload', accelerator='cpu', devices=2,\n"
+             "               logger=False)\n"
+             "z = t.strategy.config['zero_optimization']\n"
+             "print(type(t.strategy).__name__, z['stage'], z['offload_param']['device'],\n"
+             "      z['offload_optimizer']['device'])")
+    out = _python(f"import stagesafe\nimport lightning.pytorch\n{REGISTERED}\n{build}")
+    assert out.splitlines()[0] == NAMES
+    assert out.splitlines()[-1] == "StageSafeDeepSpeedStrategy 3 cpu cpu"
+
+
+@pytest.mark.slow
+def test_the_import_observer_finds_no_module_and_leaves_once_the_strategy_is_imported():
+    """What ``import stagesafe`` adds to ``sys.meta_path`` before Lightning is there finds nothing (every import
+    goes to the finders that were there), and it is gone once the strategy is imported."""
+    out = _python(
+        "import sys\nbefore = list(sys.meta_path)\nimport stagesafe\n"
+        "added = [f for f in sys.meta_path if f not in before]\n"
+        "print(len(added), [f.find_spec(n) for f in added for n in ('json', 'lightning.pytorch', 'stagesafe.cli')])\n"
+        "import lightning.pytorch, stagesafe.strategy\nprint(any(f in sys.meta_path for f in added))"
+    )
+    assert out.splitlines() == ["1 [None, None, None]", "False"]
 
 
 @pytest.mark.slow

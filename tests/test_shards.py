@@ -43,6 +43,22 @@ def test_pieces_are_written_as_the_tensor_they_join_into(tmp_path):
         write_shard(fs, root, name, wrong, specs=specs)
 
 
+def test_a_one_element_slice_of_a_wider_tensor_is_written(tmp_path):
+    """A bias of one element cut from a rank's flat partition (its stride that of the partition's rows: torch
+    calls it contiguous) is written as its value: a plain user's 2-rank fit had its handoff fail on it."""
+    partitions = torch.arange(162, dtype=torch.float32).view(2, 81)
+    bias = partitions[0:1, 80]
+    assert bias.is_contiguous() and bias.stride() == (81,)
+    values = {"b": bias, "w": partitions[1, :16].view(1, 16)}
+    fs, root = resolve(str(tmp_path))
+    plan = plan_handoff(values)
+    (name,) = plan.shards
+    specs = {"b": {"dtype": "float32", "shape": [1]}, "w": {"dtype": "float32", "shape": [1, 16]}}
+    write_shard(fs, root, name, values, specs=specs)
+    loaded = safetensors.torch.load_file(str(tmp_path / name))
+    assert loaded["b"].tolist() == [80.0] and torch.equal(loaded["w"], torch.arange(81, 97.0).view(1, 16))
+
+
 class _Lazy(Mapping):
     """A state dict whose tensors are made when asked for (as consolidate reads a checkpoint): it records how
     many of those it made are still alive when the next is asked for, and fails on ``bad``."""

@@ -53,6 +53,44 @@ def test_good_arguments_are_kept():
     assert (strategy.between_stages, strategy.max_shard_size, strategy.wait_for_write) == ("meta", "2GiB", True)
 
 
+def test_a_positional_argument_that_would_land_in_the_wrong_place_is_refused():
+    """``StageSafeDeepSpeedStrategy(3)`` made 3 Lightning's ``accelerator`` and left the stage at 2."""
+    with pytest.raises(TypeError, match=r"got 1 positional: they would land in DeepSpeedStrategy's accelerator=3; "
+                                        r"for ZeRO stage 3 pass stage=3"):
+        StageSafeDeepSpeedStrategy(3)
+    with pytest.raises(TypeError, match=r"accelerator=None, zero_optimization=True, stage=3\. Pass each argument"):
+        StageSafeDeepSpeedStrategy(None, True, 3)
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    accelerator = CPUAccelerator()
+    assert StageSafeDeepSpeedStrategy(accelerator, stage=3).accelerator is accelerator  # where Lightning's takes it
+
+
+@pytest.mark.parametrize("stage", [4, -1, True, "3", 2.0])
+def test_a_stage_outside_0_to_3_is_refused(stage):
+    with pytest.raises(InvalidArgumentError, match=r"stage=.* is not a ZeRO stage: pass 0, 1, 2 \(the default\) or 3"):
+        StageSafeDeepSpeedStrategy(stage=stage)
+
+
+def test_a_config_whose_stage_is_outside_0_to_3_is_refused():
+    config = {"zero_optimization": {"stage": 5}, "train_micro_batch_size_per_gpu": 1}
+    with pytest.raises(InvalidArgumentError, match=r"config\['zero_optimization'\]\['stage'\]=5 is not a ZeRO stage"):
+        StageSafeDeepSpeedStrategy(config=config)
+    assert StageSafeDeepSpeedStrategy(stage=0).config["zero_optimization"]["stage"] == 0
+
+
+def test_the_cpu_without_ds_accelerator_gets_lightnings_refusal_then_the_hint(monkeypatch):
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    strategy = StageSafeDeepSpeedStrategy(accelerator=CPUAccelerator(), stage=3)
+    with pytest.raises(RuntimeError) as caught:
+        strategy.setup_environment()
+    message = str(caught.value)
+    assert "`CPUAccelerator` is used. To run DeepSpeed on CPU processes (gloo)" in message, message
+    assert message.endswith("before starting the script.") and ".;" not in message
+
+
 def test_a_misspelt_argument_names_this_class_and_the_argument_meant():
     with pytest.raises(TypeError, match=r"StageSafeDeepSpeedStrategy\(\) got an unexpected keyword argument 'handof_uri'; "
                                         r"did you mean 'handoff_uri'\?"):
@@ -69,24 +107,6 @@ def test_a_local_resume_from_that_is_not_a_handoff_fails_when_the_strategy_is_ma
     (tmp_path / "empty").mkdir()
     with pytest.raises(HandoffNotFoundError, match="holds no committed handoff"):
         StageSafeDeepSpeedStrategy(resume_from=str(tmp_path / "empty"))
-
-
-def test_the_comm_op_build_is_announced_with_its_folder_when_it_is_not_built(tmp_path, monkeypatch, caplog):
-    import logging
-
-    from stagesafe.cpu_strategy import announce_comm_op_build, comm_op_folder
-
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    assert comm_op_folder() == str(tmp_path / "deepspeed_shm_comm")
-    with caplog.at_level(logging.INFO):
-        announce_comm_op_build()
-    assert f"building its CPU comm op in {tmp_path / 'deepspeed_shm_comm'}" in caplog.text
-    (tmp_path / "deepspeed_shm_comm").mkdir()
-    (tmp_path / "deepspeed_shm_comm" / "deepspeed_shm_comm.so").write_bytes(b"")
-    caplog.clear()
-    with caplog.at_level(logging.INFO):
-        announce_comm_op_build()
-    assert "building" not in caplog.text  # built: nothing to say
 
 
 FLAGS = ["wait_for_write", "keep_optimizer_state", "check_host_memory", "exclude_frozen_parameters"]

@@ -91,7 +91,7 @@ def commit_handoff(
     manifest = _manifest(folder, plan, shard_records, metadata)
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
     replaced = committed_shards(folder)
-    text = (json.dumps(manifest, indent=2) + "\n").encode()
+    text = (readable_json(manifest) + "\n").encode()
     folder.transfer(
         lambda: folder.write(MANIFEST_NAME, text),
         what=f"commit {folder.url!r} (write {MANIFEST_NAME})",
@@ -126,7 +126,7 @@ def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> N
 
 def write_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
     """Write the Hugging Face index of ``manifest`` (the file loaders other than stagesafe follow)."""
-    index = json.dumps(build_index(manifest["weight_map"], manifest["total_size"]), indent=2, sort_keys=True) + "\n"
+    index = readable_json(build_index(manifest["weight_map"], manifest["total_size"]), sort_keys=True) + "\n"
     folder.transfer(
         lambda: folder.write(INDEX_NAME, index.encode()),
         what=f"write {INDEX_NAME} to {folder.url!r}",
@@ -209,3 +209,19 @@ def _versions() -> dict[str, str | None]:
         if (version := dist(name)) is not None:
             versions[name] = version
     return versions
+
+
+_ONE_LINE = {sort: json.JSONEncoder(sort_keys=sort, separators=(", ", ": ")) for sort in (False, True)}
+
+
+def readable_json(value: Any, *, sort_keys: bool = False, depth: int = 0) -> str:
+    """``json.dumps(value, indent=2)`` down to the second level, each deeper value on one line: the same JSON,
+    and for an index the same bytes as transformers writes, but by the C encoder (``indent`` alone selects the
+    pure-Python one: half a second at 20,000 tensors), one line per tensor."""
+    if depth >= 2 or not isinstance(value, dict) or not value:
+        return _ONE_LINE[sort_keys].encode(value)
+    pad = "  " * (depth + 1)
+    items = sorted(value.items()) if sort_keys else value.items()
+    body = ",\n".join(f"{pad}{json.dumps(key)}: {readable_json(item, sort_keys=sort_keys, depth=depth + 1)}"
+                      for key, item in items)
+    return "{\n" + body + "\n" + "  " * depth + "}"

@@ -200,7 +200,10 @@ def _piece_bytes(part: torch.Tensor | bytes | bytearray | memoryview) -> memoryv
         return None
     import torch
 
-    return memoryview(part.contiguous().reshape(-1).view(torch.uint8).numpy())
+    flat = part.contiguous().reshape(-1)
+    if flat.stride(0) != 1:  # one element, sliced from a wider tensor: "contiguous", yet its stride is not 1
+        flat = flat.clone(memory_format=torch.contiguous_format)
+    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

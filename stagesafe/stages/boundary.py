@@ -29,7 +29,7 @@ from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidA
 from stagesafe.handoff.read import HandoffReader, check_present
 from stagesafe.stages import collectives
 from stagesafe.stages.engine_weights import take_from_engine
-from stagesafe.stages.exit_steps import FirstFailure, PhaseClock
+from stagesafe.stages.exit_steps import FirstFailure, PhaseClock, no_collector_passes
 from stagesafe.stages.history import (
     HandoffTarget,
     KeptTraining,
@@ -149,17 +149,22 @@ class StageBoundary:
         self._entry = _Entry()
         self._loaded: dict[str, torch.Tensor] | None = None  # a ckpt_path's weights, loaded during the stage
         self._meta_values: dict[str, torch.Tensor] | None = None  # what place_meta() gives the module
+        self._stepped = False  # an optimizer step was taken in this call
+        self._unwritten: dict[str, torch.Tensor] | None = None  # an inference stage's weights, for loop_started
         self.history: ModuleHistory | None = None
         self.report = BoundaryReport(stage=options.stage, uri=target.uri)
         self._publisher = HandoffPublisher(module, target, writer, self._end, self.report)
 
     # -- entering -------------------------------------------------------------------------------------------
-    def enter(self, *, resume_from: HandoffTarget | None = None) -> None:
+    @no_collector_passes()
+    def enter(self, *, resume_from: HandoffTarget | None = None, weights_from: Mapping[str, Any] | None = None) -> None:
         """Check the module is clean; note what it holds.
 
         ``resume_from``: a handoff (perhaps written by another job, at another world size) whose weights the
         module takes before its first stage under stagesafe; ignored for a module that has been through one.
         A module on the meta device (meta mode) is not loaded: its engine is built from that handoff.
+        ``weights_from``: this call's stage and step, which the handoff's metadata names for the weights a
+        module brings to its first stage (no stage trained them: the first call that writes them is named).
         """
         start = time.perf_counter()
         assert_clean(self.module, fresh=self.options.fresh)  # before anything changes
@@ -175,7 +180,7 @@ class StageBoundary:
                 "stage with StageSafeDeepSpeedStrategy(between_stages='meta')"
             )
         if history is None:
-            tensors, history = self._first_stage(tensors, resume_from, on_meta)
+            tensors, history = self._first_stage(tensors, resume_from, on_meta, weights_from or {})
         history.note_names(tensors, fresh=built)
         self.history = history
         self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
@@ -198,13 +203,16 @@ class StageBoundary:
         return {n for n, p in params if id(p) in self.options.fresh and zero_engine.is_zero3_param(p)}
 
     def _first_stage(
-        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool
+        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool,
+        weights_from: Mapping[str, Any],
     ) -> tuple[dict[str, torch.Tensor], ModuleHistory]:
         """A module's first stage under stagesafe: it takes ``resume_from``'s weights (a module of meta tensors
-        is built from that handoff instead), and its history starts."""
+        is built from that handoff instead), and its history starts, naming this call as where its weights are
+        from unless they are resumed."""
         if resume_from is not None and not on_meta:
             tensors = self._resume(resume_from)
         history = new_history(self.module)
+        history.weights_from = dict(weights_from)
         if resume_from is not None:
             history.target = resume_from if on_meta else None
             history.weights_from = {"resumed_from": resume_from.uri}
@@ -262,9 +270,8 @@ class StageBoundary:
 
     def _prepare_end(self, history: ModuleHistory, tensors: Mapping[str, torch.Tensor]) -> None:
         """While the stage runs: the end's plan is made, and a training stage's host memory made ready; an
-        inference stage, which ends with the weights it started with, has them written now if no handoff holds
-        them, from the tensors this boundary keeps (the engine computes on copies of its own); its end joins the
-        write."""
+        inference stage, which ends with the weights it started with, has them written once its loop starts
+        (:meth:`loop_started`) if no handoff holds them."""
         entry = self._entry
         self._end.plan_for(self.module, tensors, original=history.original, built=entry.built, kept=set(entry.masters))
         if self.options.training:
@@ -275,9 +282,21 @@ class StageBoundary:
             return
         if entry.built or history.holds(self.target, tensors):
             return
+        self._unwritten = dict(tensors)
+
+    def loop_started(self) -> None:
+        """An inference stage's loop starts: Lightning has restored its ``ckpt_path`` by now, so a call whose
+        arguments fail late has written nothing. The weights the stage started with are written now if no
+        handoff holds them, from the tensors this boundary keeps (the engine computes on copies of its own);
+        the end joins the write. A checkpoint's weights, loaded instead, are written by the end."""
+        tensors, self._unwritten = self._unwritten, None
+        if tensors is None or self._loaded is not None:
+            return
+        entry = self._entry
+        assert isinstance(entry.values, dict)
         self._join_last_write()
         values = {n: t.to("cpu") for n, t in {**entry.values, **entry.masters}.items()}
-        self._publisher.start(history, values, tensors, gathered=None, background=False)
+        self._publisher.start(self._entered(), values, tensors, gathered=None, background=False)
 
     def engine_built(self, engine: Any, *, training: bool) -> None:
         """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights;
@@ -291,6 +310,7 @@ class StageBoundary:
 
     def optimizer_stepped(self, engine: Any) -> None:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""
+        self._stepped = True
         self._end.optimizer_stepped(engine)
 
     def checkpoint_loaded(
@@ -301,6 +321,7 @@ class StageBoundary:
         self._loaded = dict(values)
 
     # -- leaving ----------------------------------------------------------------------------------------------
+    @no_collector_passes()
     def exit(
         self,
         engine: Any | None,
@@ -310,6 +331,7 @@ class StageBoundary:
         gather: bool,
         background: bool,
         lr_schedulers: Sequence[Mapping[str, Any]] = (),
+        failed: bool = False,
     ) -> BoundaryReport:
         """Decide where the stage's weights come from; take them, keep what the engine held beyond them,
         destroy the engine, restore the module, and publish the handoff. A failure of any step is raised at
@@ -320,6 +342,9 @@ class StageBoundary:
         write may outlast the call (joined by the next stage, ``wait_for_handoff()`` or the exit).
         ``weights_from``: stage and step that new weights come from, for the handoff's metadata.
         ``lr_schedulers``: the trainer's lr scheduler states, kept beside the optimizer's.
+        ``failed``: the call failed, on this rank or another. Before any optimizer step it trained nothing worth
+        keeping on storage (a ``ckpt_path`` typo, a bad batch), so it writes no handoff: the module keeps its
+        weights, and the folder what it held.
         """
         start, clock, failure = time.perf_counter(), PhaseClock(self.report.phases), FirstFailure()
         history = self._entered()
@@ -329,7 +354,8 @@ class StageBoundary:
         try:
             meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
             keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
-                                     background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure)
+                                     background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure,
+                                     write=not failed or self._stepped)
         except BaseException:
             self._end.release_kept_state_hold()  # no copy will come to end the hold
             raise
@@ -344,7 +370,7 @@ class StageBoundary:
     def _leave(
         self, engine: Any | None, history: ModuleHistory, *, trained: bool, weights_from: Mapping[str, Any],
         gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: PhaseClock,
-        failure: FirstFailure,
+        failure: FirstFailure, write: bool = True,
     ) -> bool:
         """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device."""
         host = self._end.weights_ready()
@@ -363,6 +389,10 @@ class StageBoundary:
         self._remember(kept, history, restored, copied=later is None)
         keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
         copy_kept = self._end.kept_state_copy(later, history) if later is not None else None
+        if not write and not keeps_meta:  # the module holds the weights: nothing is lost by writing none
+            log.info("stagesafe: the %s call failed before any optimizer step: no handoff written; %s is as it was",
+                     self.options.stage, self.target.uri)
+            handoff = None
         if not self._publish(taken, history, handoff, restored, failure, gather=gather,
                              background=background and not keeps_meta, keep=copy_kept) and copy_kept is not None:
             copy_kept()  # no write took it to its device thread: now

@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import importlib.util
 import json
 import os
+import shutil
+import stat
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
@@ -26,7 +29,9 @@ from torch import nn
 from stagesafe.errors import InvalidArgumentError
 
 __all__ = [
+    "RECOVERY_SCRIPTS",
     "WEIGHTS_ONLY_MARKER",
+    "copy_recovery_scripts",
     "write_engine_checkpoint",
     "write_zero_checkpoint",
     "is_weights_only",
@@ -35,6 +40,9 @@ __all__ = [
 
 WEIGHTS_ONLY_MARKER = "stagesafe_weights_only.json"
 _WEIGHTS_ONLY_OPTIM = "zero_pp_rank_0_mp_rank_00_optim_states.pt"  # the one optimizer file a weights-only save writes
+# What DeepSpeed's engine copies from deepspeed/utils/ into every ZeRO checkpoint folder it saves, on global rank 0
+# (0.19: DeepSpeedEngine._copy_recovery_script, from _save_zero_checkpoint): users run them from the folder.
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 def write_engine_checkpoint(
@@ -61,6 +69,24 @@ def write_engine_checkpoint(
         with open(os.path.join(path, "latest"), "w") as f:
             f.write(tag)
         holds_optimizer_state(path)
+        copy_recovery_scripts(path)
+
+
+def copy_recovery_scripts(path: str) -> None:
+    """Copy DeepSpeed's :data:`RECOVERY_SCRIPTS` into the checkpoint folder ``path``, executable, as its engine
+    does (a script this DeepSpeed does not ship is left out, as it would be)."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        return  # without DeepSpeed there is no script to copy (the folder is read by stagesafe all the same)
+    utils = os.path.join(os.path.dirname(spec.origin), "utils")
+    for script in RECOVERY_SCRIPTS:
+        source = os.path.join(utils, script)
+        if not os.path.isfile(source):
+            continue
+        target = os.path.join(path, script)
+        shutil.copyfile(source, target)
+        with contextlib.suppress(OSError):  # a file share may refuse; DeepSpeed goes on too
+            os.chmod(target, os.stat(target).st_mode | stat.S_IEXEC)
 
 
 def holds_optimizer_state(path: str) -> None:
@@ -124,6 +150,7 @@ def write_zero_checkpoint(
     with open(os.path.join(path, WEIGHTS_ONLY_MARKER), "w") as f:
         json.dump({"written_by": "stagesafe", "weights_only": True, "zero_stage": zero_stage, "tag": tag}, f)
         f.write("\n")
+    copy_recovery_scripts(path)
 
 
 class _Weights:

@@ -6,10 +6,14 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   fit               fit, print the module's digest, end (the handoff write is still running).
   per_rank_folders  each rank its own default_root_dir; fit, then test; print digests.
   resume            a later job: resume_from, test; print the module's digest.
-  fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings.
+  fit_again         fit, then fit again on the same Trainer (which has reached max_steps): print the warnings and
+                    whether the handoff's manifest changed ("REWRITTEN True|False"), then the engine steps of the
+                    state a save_checkpoint writes after it ("KEPT_STEPS N": the first fit's).
   marker            keep_optimizer_state=False: fit, save_checkpoint(p) (weights only, marked so); fit again, saving
                     into p from a callback (DeepSpeed's own checkpoint, optimizer included); print "MARKER" and
                     whether it is still there, then the warnings of a new Trainer's fit(ckpt_path=p).
+  files             fit, saving DeepSpeed's own folder at its end (during.ckpt), then trainer.save_checkpoint
+                    between calls (between.ckpt): rank 0 prints "FILES <name> <json list of relative paths>".
   thread_rule       fit, then Lightning's test-suite thread check (its conftest's logic): every thread the fit
                     left must be a daemon whose stop() leaves it dead; print "STOPPED <names>", then what
                     strategy.deepspeed_engine raises, then the committed handoff's digest ("HANDOFF").
@@ -48,7 +52,7 @@ def main() -> None:
     trainer = pl.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, precision="bf16-mixed", max_steps=spec.get("max_steps", 3),
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        default_root_dir=root,
+        default_root_dir=root, callbacks=[_SaveAtTheEnd(os.path.join(root, "during.ckpt"))] if mode == "files" else None,
     )
     torch.manual_seed(0)
     module = ToyModule()
@@ -64,15 +68,30 @@ def main() -> None:
     if mode == "fit_again":
         import warnings
 
+        strategy.wait_for_handoff()
+        committed = stagesafe.read_manifest(strategy.last_boundary.uri)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             trainer.fit(module, train_dataloaders=dataloader())
+        strategy.wait_for_handoff()
         if rank == 0:
             print("AGAIN", state_digest(module), flush=True)
+            print("REWRITTEN", stagesafe.read_manifest(strategy.last_boundary.uri) != committed, flush=True)
+        saved = os.path.join(root, "after_again.ckpt")
+        trainer.save_checkpoint(saved)  # between calls: the engine state kept from the first fit
+        if rank == 0:
+            states = torch.load(os.path.join(saved, "checkpoint", "zero_pp_rank_0_mp_rank_00_model_states.pt"),
+                                weights_only=False)
+            print("KEPT_STEPS", states["global_steps"], flush=True)
             for warning in caught:
                 print("WARNING", str(warning.message).replace("\n", " "), flush=True)
     if mode == "marker":
         _marker_after_deepspeed_saves(trainer, module, root, rank)
+    if mode == "files":
+        trainer.save_checkpoint(os.path.join(root, "between.ckpt"))  # between calls: the kept files
+        if rank == 0:
+            for name in ("during", "between"):
+                print("FILES", name, json.dumps(_files(os.path.join(root, f"{name}.ckpt"))), flush=True)
     if mode == "thread_rule":
         stopped = _thread_check(threads_before)
         try:
@@ -88,6 +107,26 @@ def main() -> None:
         if rank == 0:
             print("TESTED", state_digest(module), flush=True)
     # the script ends here: the handoff of the last fit may still be being written
+
+
+class _SaveAtTheEnd(pl.Callback):
+    """Saves at the end of training, while the engine is live: DeepSpeed's own folder."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def _files(folder: str) -> list[str]:
+    """Every file under ``folder``, relative, with an x where it is executable by its owner."""
+    found = []
+    for where, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(where, name)
+            found.append(os.path.relpath(path, folder) + (" x" if os.stat(path).st_mode & 0o100 else ""))
+    return sorted(found)
 
 
 def _marker_after_deepspeed_saves(trainer: pl.Trainer, module: ToyModule, root: str, rank: int) -> None:

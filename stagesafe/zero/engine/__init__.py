@@ -9,8 +9,9 @@ ZeRO (:mod:`.parameters`), the state an engine leaves on a module and taking it 
 stale state, strip, destroy), the weights read out of a live engine (:mod:`.values_out`: full specs, gathered
 values, fp32 masters) and put into one (:mod:`.values_in`: partitions from values, loaded values, masters set), and
 the engine's own checkpoint files (:mod:`.checkpoint_state`; ZeRO-3's fp32 master partitions in them as recipes,
-:mod:`.fp32_partitions`), and a checkpoint folder of any world size put into a live engine through them
-(:mod:`.checkpoint_load`). Callers use the names below, from this package.
+:mod:`.fp32_partitions`), a checkpoint folder of any world size put into a live engine through them
+(:mod:`.checkpoint_load`), and the user's optimizer given back over the module's parameters (:mod:`.optimizer`).
+Callers use the names below, from this package.
 """
 
 from stagesafe.zero.engine.checkpoint_state import (
@@ -24,6 +25,7 @@ from stagesafe.zero.engine.checkpoint_state import (
 )
 from stagesafe.zero.engine.checkpoint_load import load_rank_files, read_rank_files
 from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
+from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
 from stagesafe.zero.engine.traces import (
     ModuleFootprint,
@@ -42,6 +44,9 @@ from stagesafe.zero.engine.values_in import (
 from stagesafe.zero.engine.values_out import GatheredValues, full_specs
 
 __all__ = [
+    "OptimizerLayout",
+    "optimizer_layout",
+    "plain_optimizer",
     "GatheredValues",
     "full_specs",
     "partition_from_values",
