@@ -28,13 +28,17 @@ SRC is the folder engine.save_checkpoint(SRC) wrote (it holds 'latest' and a tag
 global_step100), or the folder Lightning's trainer.save_checkpoint("x.ckpt") wrote under DeepSpeed, or a
 tag folder itself. DST receives shards named model-<tag>-0000i-of-0000n.safetensors (<tag>: 8 hex digits of
 this write's own, e.g. model-3f9a01c2-00001-of-00002.safetensors), model.safetensors.index.json and the
-manifest stagesafe.json (the digest of every shard). Both may be local paths or fsspec URLs.
+manifest stagesafe.json (the digest of every shard). Both may be local paths or fsspec URLs. With --optimizer,
+DST/optimizer receives the optimizer state the same way (tensors exp_avg/<parameter>, ...; step counts and
+hyperparameters in its manifest), and DST's manifest names it: StageSafeDeepSpeedStrategy(resume_from=DST)
+continues training from both on any number of ranks.
 
 examples:
   stagesafe consolidate checkpoints/run1 weights/run1
   stagesafe consolidate lightning_logs/version_0/checkpoints/epoch=2-step=300.ckpt out --dtype bf16
   stagesafe consolidate ckpt s3://bucket/weights --tag global_step500 --max-shard-size 2GB --workers 4
   stagesafe consolidate s3://bucket/ckpt gs://bucket/weights --storage-option anon=false --overwrite
+  stagesafe consolidate checkpoints/run1 s3://bucket/run1-any-world-size --optimizer
 """
 _INSPECT_EPILOG = """\
 URL is a stagesafe handoff (a folder with stagesafe.json) or a DeepSpeed checkpoint folder; only
@@ -46,7 +50,8 @@ examples:
   stagesafe inspect s3://bucket/weights --json | jq '.totals'
 """
 _VERIFY_EPILOG = """\
-Re-hashes every shard and compares it with the digest and size in the manifest, and checks the index;
+Re-hashes every shard and compares it with the digest and size in the manifest, and checks the index (and the
+same of the optimizer state in URL/optimizer, when the manifest names it);
 says which digest it checked (xxh3-128-tree, blake3, or sha256 for handoffs written before the digest was
 named). Exit 0 when all match, 1 naming the first shard that does not (or an index that differs from the
 manifest: loaders that follow the index would read other tensors), 2 when URL holds no handoff.
@@ -149,6 +154,11 @@ def _add_consolidate(sub: Any, storage: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help=f"largest shard, e.g. 5GB, 500MB, 2GiB (default: {DEFAULT_MAX_SHARD_SIZE})")
     p.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that were not trained")
+    p.add_argument(
+        "--optimizer", action="store_true",
+        help="also write the optimizer state per parameter into DST/optimizer (fp32 moments, step counts and "
+        "hyperparameters), so that resume_from=DST continues training at any number of ranks; weights stay fp32",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a handoff already at DST (atomically)")
     p.add_argument(
         "--workers", type=_workers, default=1, metavar="N", help="shards built and written at once (default 1)"
@@ -255,12 +265,14 @@ def _consolidate(args: argparse.Namespace) -> int:
         storage_options=dict(args.storage_options) or None,
         workers=args.workers,
         progress=False if args.quiet else None,
+        optimizer=args.optimizer,
     )
     if not args.quiet:
         source = manifest["metadata"].get("source", {})
+        state = f" and the optimizer state to {args.dst.rstrip('/')}/optimizer" if args.optimizer else ""
         print(_escaped(
             f"wrote {len(manifest['weight_map'])} tensors ({_size(manifest['total_size'])}) in "
-            f"{len(manifest['shards'])} shard{'s' if len(manifest['shards']) != 1 else ''} to {args.dst} "
+            f"{len(manifest['shards'])} shard{'s' if len(manifest['shards']) != 1 else ''} to {args.dst}{state} "
             f"(ZeRO-{source.get('zero_stage')}, {_count(source.get('world_size'), 'rank')}, tag {source.get('tag')})"
         ))
     return EXIT_OK
@@ -327,9 +339,11 @@ def _verify(args: argparse.Namespace) -> int:
     if not args.quiet:
         size = sum(rec["size"] for rec in manifest["shards"].values())
         n = len(manifest["shards"])
+        state = " and the optimizer state beside it, which these weights name" if "optimizer" in manifest[
+            "metadata"] else ""
         print(_escaped(
             f"ok: {n} shard{'s' if n != 1 else ''} ({_size(size)}) match the manifest of {args.url} "
-            f"(digest {digest_of(manifest)})"
+            f"(digest {digest_of(manifest)}){state}"
         ))
     return EXIT_OK
 

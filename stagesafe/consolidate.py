@@ -32,11 +32,12 @@ from stagesafe.handoff.manifest import (
     parse_size,
 )
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
-from stagesafe.handoff.read import committed_shards, read_manifest
-from stagesafe.handoff.shards import Pieces, write_shards
-from stagesafe.progress import bytes_bar
+from stagesafe.handoff.optimizer_state import binding, refuse_other_dtype
+from stagesafe.handoff.read import committed_manifest, committed_shards, read_manifest
+from stagesafe.handoff.shards import Pieces, write_shards_shown
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.flags import checked_flag, checked_optional_flag
+from stagesafe.consolidate_optimizer import remove_optimizer_state, write_optimizer_state
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
 
@@ -73,6 +74,7 @@ def consolidate(
     storage_options: dict[str, Any] | None = None,
     workers: int = 1,
     progress: bool | None = None,
+    optimizer: bool = False,
 ) -> dict[str, Any]:
     """Write the weights of the DeepSpeed checkpoint ``src`` to ``dst`` as safetensors shards; return the manifest.
 
@@ -88,10 +90,18 @@ def consolidate(
     few copies of each shard in flight (see docs/performance.md). ``progress``: a bar on stderr (default: when
     stderr is a terminal). Nothing is left at ``dst`` if it fails; an existing handoff at ``dst`` is replaced
     atomically only with ``overwrite=True``.
+
+    ``optimizer=True`` also writes the optimizer state per parameter into ``dst``/optimizer (fp32 moments keyed by
+    parameter name, step counts and hyperparameters as JSON; :mod:`stagesafe.handoff.optimizer_state`), committed
+    before the weights, whose manifest binds it: ``StageSafeDeepSpeedStrategy(resume_from=dst)`` then continues
+    training with it at any number of ranks. The weights stay fp32 (the masters); ``dtype`` must be None or fp32.
     """
     out_dtype = _parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     overwrite = checked_flag("overwrite", overwrite)
+    optimizer = checked_flag("optimizer", optimizer)
+    if optimizer:
+        refuse_other_dtype(out_dtype)
     progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise InvalidArgumentError(f"workers={workers!r} must be a positive int")
@@ -99,22 +109,36 @@ def consolidate(
     with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
         fs, root = resolve(dst, storage_options)
         created = _check_destination(fs, root, overwrite)
-        taken = live_files(fs, root)
-        plan = _plan(ckpt, out_dtype, limit, taken=taken)
-        bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
-        if bar is not None:
-            plan.state_dict.on_read = bar.update
+        metadata = _metadata(ckpt, out_dtype, exclude_frozen)
+        state = None
+        if optimizer:  # first: the weights' manifest, the commit of both, names it
+            state = write_optimizer_state(ckpt, fs, root, max_shard_size=limit, workers=workers, overwrite=overwrite,
+                                          progress=progress, source=_source(ckpt))
+            metadata["optimizer"] = binding(state)
         try:
-            records = write_shards(fs, root, plan, workers=workers, remove_root=created)
-        finally:
-            if bar is not None:
-                bar.close()
-        try:
-            return commit(fs, root, plan, records, metadata=_metadata(ckpt, out_dtype, exclude_frozen))
-        except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
-            if not taken and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
-                HandoffFolder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
-            raise  # else the shards are an interrupted save's, which the next save cleans up
+            return _write_weights(ckpt, fs, root, out_dtype, limit, created=created, workers=workers,
+                                  progress=progress, metadata=metadata)
+        except BaseException:
+            if state is not None and not _binds(fs, root, state):  # no weights name it: it goes
+                remove_optimizer_state(fs, root, state)
+            raise
+
+
+def _write_weights(
+    ckpt: ZeroCheckpoint, fs: Any, root: str, out_dtype: str | None, limit: int, *, created: bool, workers: int,
+    progress: bool | None, metadata: dict[str, Any],
+) -> dict[str, Any]:
+    """The weights' shards, then their commit: see :func:`consolidate`."""
+    taken = live_files(fs, root)
+    plan = _plan(ckpt, out_dtype, limit, taken=taken)
+    records = write_shards_shown(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress,
+                                 workers=workers, remove_root=created)
+    try:
+        return commit(fs, root, plan, records, metadata=metadata)
+    except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
+        if not taken and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
+            HandoffFolder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
+        raise  # else the shards are an interrupted save's, which the next save cleans up
 
 
 def load_zero_checkpoint(
@@ -297,6 +321,18 @@ def _committed_here(fs: Any, root: str, files: Iterable[str]) -> bool:
         return bool(committed_shards(HandoffFolder(fs, root)) & set(files))
     except Exception:  # noqa: BLE001 - the store is failing
         return True
+
+
+def _binds(fs: Any, root: str, state: Mapping[str, Any]) -> bool:
+    """Whether the committed weights in ``root`` name the optimizer state whose manifest is ``state``; when the
+    store cannot say, they do, so that nothing is removed."""
+    try:
+        bound = committed_manifest(HandoffFolder(fs, root), explain=False)["metadata"].get("optimizer")
+    except HandoffNotFoundError:
+        return False
+    except Exception:  # noqa: BLE001 - the store is failing
+        return True
+    return isinstance(bound, Mapping) and bound.get("checksum") == state["checksum"]
 
 
 def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:

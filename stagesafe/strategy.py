@@ -45,6 +45,7 @@ from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.trainer_messages import (
     boundary_line,
     say_committed,
+    say_optimizer_resumed,
     say_unchanged,
     say_versioned,
     warn_if_fit_has_nothing_left,
@@ -96,7 +97,9 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         max_shard_size: largest safetensors shard, e.g. ``"1GB"`` or a byte count. Smaller shards are hashed
             and written in parallel.
         resume_from: fsspec URL of a handoff (from an earlier job, any world size) whose weights a module
-            takes before its first stage under stagesafe.
+            takes before its first stage under stagesafe. If the handoff holds the optimizer state beside them
+            (``stagesafe consolidate --optimizer``), the first ``fit`` that trains them continues it (moments and
+            step counts, re-partitioned for this job's ranks); else the optimizer starts afresh, as the log says.
         between_stages: ``"cpu"`` (default): after each stage the module holds real tensors. ``"meta"``: it
             holds meta tensors (no host memory); the next stage's engine is built from the handoff one
             submodule at a time, and a trained stage's weights are gathered and written one tensor at a time
@@ -235,6 +238,23 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             trainer.callbacks.append(_StageReturned())
         super().setup(trainer)
         boundary.engine_built(self.model, training=trains)
+        if trains and boundary.resumed is not None:
+            self._resume_optimizer(boundary.resumed)
+
+    def _resume_optimizer(self, source: HandoffTarget) -> None:
+        """A fit whose module holds the weights it took from ``resume_from`` (no call has changed them since): the
+        optimizer state beside them, if the handoff holds it (``stagesafe consolidate --optimizer``),
+        re-partitioned for this job and loaded; every rank reads its share before any loads, so a state one rank
+        refuses is refused on every rank. Without it the optimizer starts afresh from the weights, as the log says."""
+        engine = self.model
+        state = collectives.all_ranks(
+            lambda: zero_engine.read_handoff_optimizer(engine, source.uri, storage_options=source.storage_options),
+            f"reading the optimizer state beside the handoff {source.uri} (every rank reads its share of it: a "
+            "node-local path is not visible from other nodes; use shared storage or an object store)",
+        )
+        if state is not None:
+            zero_engine.load_optimizer_state(engine, state)
+        say_optimizer_resumed(source.uri, state is not None)
 
     def _stage_options(self, trainer: "pl.Trainer", *, trains: bool) -> StageOptions:
         """How this call's boundary runs: this strategy's arguments, the call's kind and device; ``trains``:

@@ -1,5 +1,6 @@
 """What the strategy tells the user, through Lightning's rank-zero logging: the line a committed background write
-prints, the line each stage boundary logs, and the warning for a ``fit`` that has nothing left to train."""
+prints, the line each stage boundary logs, whether a resumed optimizer continues, and the warning for a ``fit``
+that has nothing left to train."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ if TYPE_CHECKING:
     from stagesafe.stages.boundary import BoundaryReport
 
 __all__ = [
-    "boundary_line", "megabytes", "say_committed", "say_unchanged", "say_versioned", "warn_if_fit_has_nothing_left"
+    "boundary_line", "megabytes", "say_committed", "say_optimizer_resumed", "say_unchanged", "say_versioned",
+    "warn_if_fit_has_nothing_left",
 ]
 
 
@@ -35,6 +37,18 @@ def say_versioned(asked: str, uri: str) -> None:
         f"stagesafe: {asked} holds a handoff of another run, which is kept; this run's handoff is written to {uri} "
         "(strategy.last_boundary.uri names it)"
     )
+
+
+def say_optimizer_resumed(uri: str, resumed: bool) -> None:
+    """Rank 0's line when a fit's module took ``resume_from``'s weights: whether the optimizer continues from the
+    state beside them, or starts afresh (the handoff holds weights only)."""
+    if resumed:
+        rank_zero_info(f"stagesafe: the optimizer continues from the state beside {uri} (moments, step counts)")
+    else:
+        rank_zero_info(
+            f"stagesafe: {uri} holds weights only: the optimizer starts afresh from them (a handoff written by "
+            "`stagesafe consolidate --optimizer` carries its state)"
+        )
 
 
 def boundary_line(report: "BoundaryReport", *, waited: bool, failed: tuple[str, BaseException] | None = None) -> str:

@@ -205,3 +205,97 @@ def test_a_plain_deepspeed_checkpoint_resumes_on_another_world_size(root, stage,
         assert set(got) == set(expected), other
         for name, value in expected.items():
             assert torch.equal(got[name].view(torch.uint8), value.view(torch.uint8)), f"{other}: {name} differs"
+
+
+# -- the world-size-free form: `stagesafe consolidate --optimizer`, then resume_from= on another number of ranks ----
+
+# (ZeRO stage, ranks that saved, ranks that resume, where the handoff lies)
+FORM_CASES = {
+    "z2-2to1": (2, 2, 1, "local"),
+    "z2-2to3": (2, 2, 3, "local"),
+    "z3-2to1": (3, 2, 1, "local"),
+    "z3-2to3": (3, 2, 3, "local"),
+    "z3-2to3-s3": (3, 2, 3, "s3"),
+    "z2-2to1-s3": (2, 2, 1, "s3"),
+    "z3-2to1-validate-first": (3, 2, 1, "local"),  # a validate call first: the first fit still continues the state
+}
+
+
+def _consolidated(request, out: str, where: str) -> tuple[str, dict | None]:
+    """The checkpoint OUT/ckpt consolidated with its optimizer state by the command, on local disk or on the
+    loopback S3 server; (url, storage options)."""
+    from stagesafe.cli import main
+
+    if where == "s3":
+        s3 = request.getfixturevalue("s3")
+        url, options = s3.new_url("form"), s3.storage_options()
+        argv = [f"--storage-option={k}={json.dumps(v)}" for k, v in options.items()]
+    else:
+        url, options, argv = os.path.join(out, "form"), None, []
+    if where == "s3" or not os.path.exists(url):
+        assert main(["consolidate", "--optimizer", "-q", f"{out}/ckpt", url, *argv]) == 0
+    return url, options
+
+
+def _from_form(root: str, out: str, stage: int, ranks: int, url: str, options: dict | None, name: str) -> None:
+    env = {"STAGESAFE_TEST_STORAGE": json.dumps(options), "STAGESAFE_TEST_RECORD": name}
+    run_script(SCRIPT, ["form", out, str(stage), str(ranks), url], timeout=600, cwd=root, env=env)
+
+
+@pytest.mark.parametrize("case", list(FORM_CASES))
+def test_resume_from_a_consolidated_handoff_continues_the_optimizer_bitwise(root, request, case):
+    """The handoff of `stagesafe consolidate --optimizer` (the checkpoint of 2 ranks) resumed with resume_from=
+    on M ranks: before the first step the engine holds every fp32 master, both Adam moments and the step count
+    exactly as the 2 ranks' engine held them; then the fit trains (a handoff of new weights)."""
+    stage, saved, resumed, where = FORM_CASES[case]
+    out = _saved(root, stage, saved, "stagesafe")
+    url, options = _consolidated(request, out, where)
+    _from_form(root, out, stage, resumed, url + ("#validate" if "validate" in case else ""), options, f"form-{case}")
+    expected, now = _tensors(f"{out}/saved.safetensors"), _tensors(f"{out}/form-{case}.safetensors")
+    assert set(now) == set(expected)
+    for name, value in expected.items():
+        assert torch.equal(now[name].view(torch.uint8), value.view(torch.uint8)), f"{name} differs"
+    assert _json(f"{out}/form-{case}.json")["steps"] == _json(f"{out}/saved.json")["steps"]
+    from stagesafe import load_state_dict
+
+    after = load_state_dict(f"{out}/form-{case}-handoff")
+    assert not torch.equal(after["backbone.head.weight"], expected["master/backbone.head.weight"])  # it trained
+
+
+@pytest.mark.parametrize(
+    ("variant", "says"),
+    [
+        ("frozen", ["StateDictMismatchError", "does not hold this model's trained parameters",
+                    "held but not trained by this model", "backbone.hidden.bias"]),
+        ("sgd", ["CheckpointFormatError", "another optimizer than this SGD", "'momentum'", "'betas'"]),
+        ("missing", ["StateDictMismatchError", "does not hold this model's trained parameters",
+                     "missing", "backbone.head.bias"]),
+    ],
+)
+def test_what_the_form_cannot_resume_is_refused_naming_what_differs(root, variant, says):
+    """Never a silent restart of the optimizer: a model that trains other parameters, another optimizer, and a
+    state (written by hand) that lacks a parameter are refused on every rank before any step."""
+    from stagesafe import load_state_dict, read_manifest, save_state_dict
+    from stagesafe.handoff.optimizer_state import binding
+
+    out = _saved(root, 3, 2, "stagesafe")
+    url, _ = _consolidated(None, out, "local")
+    if variant == "missing":  # the same handoff without the state of one parameter, bound again
+        url = os.path.join(out, "form-missing")
+        if not os.path.exists(url):
+            shutil.copytree(os.path.join(out, "form"), url)
+            state = read_manifest(f"{url}/optimizer")
+            metadata = json.loads(json.dumps(state["metadata"]))
+            for group in metadata["optimizer_state"]["param_groups"]:
+                group["params"] = [p for p in group["params"] if p != "backbone.head.bias"]
+            tensors = {k: v for k, v in load_state_dict(f"{url}/optimizer").items() if not k.endswith("head.bias")}
+            rebound = save_state_dict(tensors, f"{url}/optimizer", overwrite=True, metadata=metadata)
+            weights = read_manifest(url)
+            save_state_dict(load_state_dict(url), url, overwrite=True,
+                            metadata={**weights["metadata"], "optimizer": binding(rebound)})
+    module_variant = "" if variant == "missing" else variant
+    _from_form(root, out, 3, 1, f"{url}#{module_variant or 'plain'}", None, f"form-{variant}")
+    error = _json(f"{out}/form-refused-{module_variant or 'plain'}-1.json")
+    assert error is not None and error["type"] == says[0] and error["steps"] == 0, error
+    for part in says[1:]:
+        assert part in error["message"], error["message"]

@@ -51,6 +51,7 @@ __all__ = [
     "load_state_dict",
     "missing_message",
     "parse_json",
+    "read_shard",
     "read_manifest",
     "shard_progress",
     "while_unchanged",
@@ -158,6 +159,17 @@ class HandoffReader(Mapping):
 
     def __len__(self) -> int:
         return len(self.manifest["tensors"])
+
+
+def read_shard(folder: HandoffFolder, manifest: Mapping[str, Any], file_name: str) -> dict[str, torch.Tensor]:
+    """One shard of the committed handoff ``manifest`` describes, checked as :func:`load_state_dict` checks it
+    (size, digest, contents): its stored tensors, on the CPU. For a reader that takes a few slices of each."""
+    import torch
+
+    try:
+        return _read_shard(folder, manifest, file_name, torch.device("cpu"))
+    except ShardVanished as exc:
+        raise HandoffCorruptError(f"{exc} (or a writer replaced the handoff while it was read)") from None
 
 
 def fetch_manifest(folder: HandoffFolder) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.commit import index_follows_the_manifest, write_index
 from stagesafe.handoff.folder import HandoffFolder, check_workers, each
 from stagesafe.handoff.manifest import INDEX_NAME, digest_of, is_shard_name
+from stagesafe.handoff.optimizer_state import open_form
 from stagesafe.handoff.read import (
     MAX_JSON,
     ShardVanished,
@@ -60,6 +61,8 @@ def verify(
     index), is no damage: ``HandoffNotReadyError`` says so and names the repair. ``fix_index``: an index that
     differs from the manifest is rewritten from it (once the shards verified, and only while that manifest is
     still the committed one) instead of being an error. ``progress``: a bar on stderr (default: on a terminal).
+    The optimizer state a handoff's manifest names (``consolidate(..., optimizer=True)``) is verified too, and
+    that it is the state these weights were written with.
     """
     fix_index = checked_flag("fix_index", fix_index)
     progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
@@ -68,9 +71,15 @@ def verify(
     folder.fs.invalidate_cache(folder.root)  # sizes must come from the store, not from a listing cached before a write
     manifest = fetch_manifest(folder)
     with shard_progress(progress, manifest, f"verifying {uri}") as on_read:
-        return while_unchanged(
+        manifest = while_unchanged(
             folder, manifest, lambda m: _verify(folder, m, workers=workers, fix_index=fix_index, on_read=on_read)
         )
+    if "optimizer" in manifest["metadata"]:  # the optimizer state these weights name, bound and verified alike
+        form = open_form(uri, storage_options=storage_options)
+        assert form is not None
+        verify(form.url, storage_options=storage_options, workers=workers, retry=retry, fix_index=fix_index,
+               progress=progress)
+    return manifest
 
 
 def _verify(

@@ -152,6 +152,7 @@ class StageBoundary:
         self._stepped = False  # an optimizer step was taken in this call
         self._unwritten: dict[str, torch.Tensor] | None = None  # an inference stage's weights, for loop_started
         self.history: ModuleHistory | None = None
+        self.resumed: HandoffTarget | None = None  # resume_from, while the module holds the weights it took there
         self.report = BoundaryReport(stage=options.stage, uri=target.uri)
         self._publisher = HandoffPublisher(module, target, writer, self._end, self.report)
 
@@ -181,6 +182,8 @@ class StageBoundary:
             )
         if history is None:
             tensors, history = self._first_stage(tensors, resume_from, on_meta, weights_from or {})
+        if resume_from is not None and history.weights_from == {"resumed_from": resume_from.uri}:
+            self.resumed = resume_from  # no call has changed the weights it took (inference calls, a fit with no step)
         history.note_names(tensors, fresh=built)
         self.history = history
         self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now

@@ -45,7 +45,7 @@ from stagesafe.zero.widen import to_float32
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["TensorSpec", "ZeroCheckpoint", "open_zero_checkpoint"]
+__all__ = ["TensorSpec", "ZeroCheckpoint", "materialized", "open_zero_checkpoint", "read_in_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class ZeroCheckpoint:
                 file.read_into(tensor, start, out[pos : pos + length * tensor.itemsize])
                 pos += length * tensor.itemsize
                 continue
-            for run in _read_in_runs((piece,), spec.dtype):  # a 16-bit buffer read as fp32
+            for run in read_in_runs((piece,), spec.dtype):  # a 16-bit buffer read as fp32
                 out[pos : pos + len(run)] = run
                 pos += len(run)
         return flat.view(spec.shape)
@@ -136,7 +136,7 @@ class ZeroCheckpoint:
         """The tensor ``name``'s flat values in order, as the bytes of consecutive pieces of at most 16 MiB, each
         read from the rank files when the iteration reaches it (iterate once), to be written without joining them
         into one tensor. Needs no torch (a 16-bit buffer is widened to fp32 by :mod:`stagesafe.zero.widen`)."""
-        return _read_in_runs(self._sources[name], self.tensors[name].dtype)
+        return read_in_runs(self._sources[name], self.tensors[name].dtype)
 
     def sources(self, name: str) -> tuple[Piece, ...]:
         """The runs of the rank files that hold the stored tensor ``name``'s flat values, in order."""
@@ -253,7 +253,7 @@ def materialized(file: RankFile, value: Any) -> Any:
     return _materialize(file, value)
 
 
-def _read_in_runs(pieces: Sequence[Piece], dtype: str) -> Iterator[memoryview]:
+def read_in_runs(pieces: Sequence[Piece], dtype: str) -> Iterator[memoryview]:
     """The pieces' elements, in order, as the bytes of ``dtype`` values, read from their files in runs of at most
     ``_CHUNK`` bytes; a piece of a 16-bit float buffer is widened to ``dtype`` float32."""
     for file, tensor, start, length in pieces:

@@ -13,22 +13,28 @@ be re-partitioned: :class:`~stagesafe.errors.CheckpointFormatError` names it.
 
 from __future__ import annotations
 
+import functools
+import os
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from stagesafe.errors import CheckpointFormatError, shown
 from stagesafe.zero.checkpoint import ZeroCheckpoint, materialized
-from stagesafe.zero.pickle_globals import TensorRecord
+from stagesafe.zero.checkpoint_tensors import Piece
+from stagesafe.zero.pickle_globals import OpaqueRecord, TensorRecord
 from stagesafe.zero.rank_file import RankFile
+from stagesafe.zero.widen import to_float32
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CheckpointOptimizer", "GLOBAL_KEYS"]
+__all__ = ["CheckpointOptimizer", "GLOBAL_KEYS", "plain_value"]
 
 # What the ZeRO optimizer's own state_dict holds beside the base optimizer's, read from rank 0 (the same on every rank).
 GLOBAL_KEYS = ("loss_scaler", "dynamic_loss_scale", "overflow", "clip_grad", "ds_version")
+_READERS = 8  # threads that read a checkpoint into an engine at once
 # What the engine reads of the model states when it loads a checkpoint, beside the module and the frozen fragments.
 ENGINE_KEYS = ("global_steps", "global_samples", "skipped_steps", "dp_world_size", "mp_world_size", "lr_scheduler")
 
@@ -47,6 +53,8 @@ class _Held:
 class CheckpointOptimizer:
     """The optimizer state of an opened ZeRO checkpoint, per parameter (see the module)."""
 
+    restores_hyperparameters = True  # a resume takes the param groups' values it saved (the lr reached), as stock
+
     def __init__(self, ckpt: ZeroCheckpoint) -> None:
         described = ckpt.described
         if not described.optimizer_states or not described.partitions:
@@ -60,20 +68,12 @@ class CheckpointOptimizer:
                 self._rank_of[id(record)] = (rank, group)
         self.groups = len(described.partitions[0])  # flat partitions per rank (ZeRO-3: sub-groups)
         base = [self._base_state(file, osd) for file, osd in described.optimizer_states]
-        self.param_groups = self._param_groups(base[0])  # hyperparameters per param group, or None (elastic)
+        self._groups_read = base[0][1]  # the param groups as the pickle reader built them, or None (elastic)
         self._held = [  # [rank][group] -> key -> how it is held
             [self._held_of(file, states, rank, g) for g, states in enumerate(base[rank][0])]
             for rank, (file, _) in enumerate(described.optimizer_states)
         ]
         self.element_keys, self.value_keys = self._keys()
-        self._values = {  # per group: the one-value keys, as torch.load gives them (rank 0's)
-            g: {k: materialized(described.optimizer_states[0][0], self._held[0][g][k].value) for k in self.value_keys}
-            for g in range(self.groups)
-        }
-        file0, osd0 = described.optimizer_states[0]
-        self.global_state = {k: materialized(file0, osd0[k]) for k in GLOBAL_KEYS if k in osd0}
-        if "ds_version" not in self.global_state and ckpt.ds_version is not None:
-            self.global_state["ds_version"] = ckpt.ds_version
         self.element_dtypes = {k: self._held[0][0][k].record.dtype for k in self.element_keys} if self.groups else {}
         self.master_dtype = described.partitions[0][0][1].dtype if self.groups else "float32"
         model0 = described.model_states[0][1]
@@ -81,10 +81,30 @@ class CheckpointOptimizer:
         self.partition_groups = self._partition_groups(model0)  # per flat partition: its param group
         self.group_of = self._group_of_params(model0)
 
-    # -- description ---------------------------------------------------------------------------------------------
+    # -- description (torch is imported by what gives values as torch.load does) ---------------------------------
+    @functools.cached_property
+    def param_groups(self) -> list[dict[str, Any]] | None:
+        """Hyperparameters per param group, as ``torch.load`` gives them, or None (ZeRO 1/2's elastic form)."""
+        if self._groups_read is None:
+            return None
+        file = self._ckpt.described.optimizer_states[0][0]
+        return [dict(materialized(file, g).items()) for g in self._groups_read]
+
+    @functools.cached_property
+    def global_state(self) -> dict[str, Any]:
+        """What the ZeRO optimizer's own state dict holds beside the base optimizer's (:data:`GLOBAL_KEYS`), as
+        ``torch.load`` gives it."""
+        file0, osd0 = self._ckpt.described.optimizer_states[0]
+        out = {k: materialized(file0, osd0[k]) for k in GLOBAL_KEYS if k in osd0}
+        if "ds_version" not in out and self._ckpt.ds_version is not None:
+            out["ds_version"] = self._ckpt.ds_version
+        return out
+
     def values(self, group: int) -> dict[str, Any]:
-        """The keys of flat partition ``group``'s state held as one value (``step``), as ``torch.load`` gives them."""
-        return dict(self._values[group])
+        """The keys of flat partition ``group``'s state held as one value (``step``), as ``torch.load`` gives them
+        (rank 0's)."""
+        file = self._ckpt.described.optimizer_states[0][0]
+        return {k: materialized(file, self._held[0][group][k].value) for k in self.value_keys}
 
     def partition_of_group(self, group: int) -> int:
         """A flat partition of param group ``group`` (whose one-value state, ``step``, the group's share)."""
@@ -108,6 +128,49 @@ class CheckpointOptimizer:
         file, states = self._ckpt.described.model_states[0]
         fragments = states.get("frozen_param_fragments")
         return materialized(file, fragments) if isinstance(fragments, Mapping) else {}
+
+    # -- the same, as plain data (no torch): what the world-size-free form writes as JSON ---------------------------
+    def trained(self) -> dict[str, int]:
+        """Every trained parameter's name (tied ones once, as DeepSpeed saves them) -> its param group, in the
+        checkpoint's order."""
+        return {name: group for name, group in self.group_of.items()
+                if name in self.specs and self.specs[name].kind == "param"}
+
+    def plain_param_groups(self) -> list[dict[str, Any]] | None:
+        """Each param group's hyperparameters as JSON values (``params`` left out), or None (elastic form)."""
+        if self._groups_read is None:
+            return None
+        file = self._ckpt.described.optimizer_states[0][0]
+        return [
+            {str(k): plain_value(file, v, f"hyperparameter {k!r} of param group {i}") for k, v in g.items()
+             if k != "params"}
+            for i, g in enumerate(self._groups_read)
+        ]
+
+    def plain_values(self, group: int) -> dict[str, Any]:
+        """:meth:`values` of flat partition ``group`` as JSON: a tensor as ``{"dtype", "value"}``, else the value."""
+        file = self._ckpt.described.optimizer_states[0][0]
+        out = {}
+        for key in self.value_keys:
+            value = self._held[0][group][key].value
+            what = f"optimizer state {key!r} of partition {group}"
+            out[key] = ({"dtype": value.dtype, "value": plain_value(file, value, what)}
+                        if isinstance(value, TensorRecord) else {"value": plain_value(file, value, what)})
+        return out
+
+    def plain_loss_scaler(self) -> dict[str, Any] | None:
+        """The loss scaler's class name and its plain attributes (scale, iteration counts), or None."""
+        saved = self._ckpt.described.optimizer_states[0][1].get("loss_scaler")
+        if not isinstance(saved, OpaqueRecord):
+            return None
+        attributes = {str(k): v for k, v in saved._attributes.items() if type(v) in (int, float, bool)}
+        return {"class": saved._stands_for, "attributes": attributes}
+
+    def element_pieces(self, name: str, key: str) -> tuple[Piece, ...]:
+        """The runs of the rank files that hold the trained parameter ``name``'s state ``key``, in order: where its
+        fp32 master lies, in the key's own tensor."""
+        return tuple(piece._replace(tensor=self._element_record(piece.tensor, key, name))
+                     for piece in self._ckpt.sources(name))
 
     # -- reading -------------------------------------------------------------------------------------------------
     def read_into(self, name: str, key: str | None, first: int, out: "torch.Tensor") -> None:
@@ -137,6 +200,20 @@ class CheckpointOptimizer:
         raise CheckpointFormatError(
             f"{self.tag_url!r}: {shown(name)} holds fewer than the {first + need} elements asked for"
         )
+
+    def read_all(self, reads: list[tuple[str, str | None, int, torch.Tensor]]) -> None:
+        """Each ``(name, key, first, out)`` of :meth:`read_into`, largest first, on a few threads (``pread`` lets
+        go of the GIL; a first touch of fresh memory costs a page fault, which one thread pays slowly)."""
+        from stagesafe.handoff.workers import Workers
+
+        reads = sorted(reads, key=lambda r: -r[3].numel())
+        threads = max(1, min(_READERS, os.cpu_count() or 1, len(reads)))
+        if threads == 1:
+            for read in reads:
+                self.read_into(*read)
+            return
+        with Workers(threads, name="stagesafe-resume-read") as pool:
+            list(pool.map(lambda read: self.read_into(*read), reads))
 
     # -- internals -----------------------------------------------------------------------------------------------
     def _element_record(self, fp32: TensorRecord, key: str, name: str) -> TensorRecord:
@@ -169,13 +246,6 @@ class CheckpointOptimizer:
                 "per partition in order"
             )
         return [self._mapping(file, state.get(i, {}), f"state {i}") for i in range(self.groups)], groups
-
-    def _param_groups(self, base0: tuple[list, Any]) -> list[dict[str, Any]] | None:
-        _, groups = base0
-        if groups is None:
-            return None
-        file = self._ckpt.described.optimizer_states[0][0]
-        return [{k: v for k, v in materialized(file, g).items()} for g in groups]
 
     def _held_of(self, file: RankFile, states: Mapping[str, Any], rank: int, group: int) -> dict[str, _Held]:
         fp32 = self._ckpt.described.partitions[rank][group][1]
@@ -229,8 +299,8 @@ class CheckpointOptimizer:
         """Per flat partition, its param group: ZeRO 1/2 has one partition per param group, ZeRO-3 one per
         sub-group, each listed in one param group's ``params``."""
         to_group = list(range(self.groups))
-        if self.stage == 3 and self.param_groups is not None:
-            for g, group in enumerate(self.param_groups):
+        if self.stage == 3 and self._groups_read is not None:
+            for g, group in enumerate(self._groups_read):
                 for index in group.get("params", ()):
                     if 0 <= index < len(to_group):
                         to_group[index] = g
@@ -255,3 +325,33 @@ class CheckpointOptimizer:
     def _bad(file: RankFile, what: str) -> CheckpointFormatError:
         return CheckpointFormatError(f"{file.display}: {what}; DeepSpeed does not write that")
 
+
+
+_SCALARS = {"float32": "f", "float64": "d", "int64": "q", "int32": "i", "int16": "h", "int8": "b", "uint8": "B",
+            "bool": "?"}
+
+
+def plain_value(file: RankFile, value: Any, what: str) -> Any:
+    """``value`` as the pickle reader built it, as a JSON value, without torch: a one-element tensor read as its
+    number; tuples as lists. Anything else (an object, a tensor of several elements) is refused, naming ``what``."""
+    if value is None or type(value) in (bool, int, str):
+        return value
+    if type(value) is float:
+        if value != value or value in (float("inf"), float("-inf")):
+            raise CheckpointFormatError(f"{file.display}: {what} is {value!r}, which JSON cannot hold")
+        return value
+    if isinstance(value, (list, tuple)):
+        return [plain_value(file, item, f"{what}[{i}]") for i, item in enumerate(value)]
+    if isinstance(value, TensorRecord) and value.numel == 1:
+        record = file.check(value, what)
+        raw = memoryview(bytearray(record.itemsize))
+        file.read_into(record, 0, raw)
+        dtype = record.dtype
+        if dtype in ("bfloat16", "float16"):
+            raw, dtype = to_float32(raw, dtype), "float32"
+        if dtype in _SCALARS:
+            return plain_value(file, struct.unpack("=" + _SCALARS[dtype], raw)[0], what)
+    raise CheckpointFormatError(
+        f"{file.display}: {what} is {shown(value, 80)}, not a number, string or list of them; the optimizer's "
+        "state cannot be written as plain values"
+    )

@@ -15,6 +15,12 @@ PHASE ``refuse``: as ``resume``, but with what cannot be resumed (WRITER names i
   ``payload`` (the checkpoint is OUT/crafted, whose pickles carry code; ``payload-stock``: OUT/crafted-stock under
   stock Lightning); rank 0 records the error (or null) in
   ``OUT/refused-<what>-M.json``.
+PHASE ``form``: WRITER is the URL of a handoff written by ``stagesafe consolidate --optimizer`` (storage options as
+  JSON in ``STAGESAFE_TEST_STORAGE``); a new module on RANKS ranks, ``fit(max_epochs=1)`` under stagesafe with
+  ``resume_from=URL``; when training starts rank 0 records masters, moments, step and lr in ``OUT/<name>.*``
+  (``STAGESAFE_TEST_RECORD``, default ``form-M``). A URL ending in ``#validate``: ``validate`` first, then the
+  fit. Ending in ``#plain``, ``#extra``, ``#frozen`` or ``#sgd``: that module (see ``refuse``), expected to be
+  refused: rank 0 records the error every rank raised (or null) in ``OUT/form-refused-<what>-M.json``.
 Lightning starts the other ranks by running this command line again.
 """
 
@@ -134,13 +140,39 @@ def refuse(out: str, stage: int, ranks: int, variant: str) -> None:
             json.dump(error, f)
 
 
+def resume_from_form(out: str, stage: int, ranks: int, url: str) -> None:
+    """fit under ``resume_from=url`` (a handoff with its optimizer state); see the module."""
+    url, _, variant = url.partition("#")
+    refused = variant not in ("", "validate")
+    options = json.loads(os.environ.get("STAGESAFE_TEST_STORAGE") or "null")
+    module = new_module("" if variant == "validate" else variant)
+    name = os.environ.get("STAGESAFE_TEST_RECORD", f"form-{ranks}")
+    if refused:
+        name = f"form-refused-{variant}-{ranks}"
+    strategy = StageSafeDeepSpeedStrategy(stage=stage, resume_from=url, storage_options=options,
+                                          handoff_uri=f"{out}/{name}-handoff", overwrite_handoff=True)
+    t = trainer(strategy, ranks, Record("start", f"{out}/{name}"), max_epochs=1)
+    if variant == "validate":  # an inference call first: the weights it took are unchanged, the state still theirs
+        t.validate(module, dataloader(), verbose=False)
+    try:
+        t.fit(module, dataloader())
+        error = None
+    except Exception as exc:  # noqa: BLE001 - what the user sees is the point
+        if not refused:
+            raise
+        error = {"type": type(exc).__name__, "message": str(exc), "steps": len(module.losses)}
+    if refused and dist.get_rank() == 0:
+        with open(f"{out}/{name}.json", "w") as f:
+            json.dump(error, f)
+
+
 def main() -> None:
     phase, out, stage, ranks, *rest = sys.argv[1:]
     stage, ranks, writer = int(stage), int(ranks), (rest[0] if rest else "stagesafe")
     frozen = writer.endswith("-frozen")  # the module's hidden layer is frozen: ZeRO-3 partitions it too
     os.makedirs(out, exist_ok=True)
-    if phase == "refuse":
-        refuse(out, stage, ranks, writer)
+    if phase in ("refuse", "form"):
+        (refuse if phase == "refuse" else resume_from_form)(out, stage, ranks, writer)
         if dist.get_rank() == 0:
             print("DONE", phase, ranks)
         return

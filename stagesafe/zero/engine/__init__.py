@@ -23,7 +23,12 @@ from stagesafe.zero.engine.checkpoint_state import (
     checkpoint_files_later,
     foreseen_state_specs,
 )
-from stagesafe.zero.engine.checkpoint_load import load_rank_files, read_rank_files
+from stagesafe.zero.engine.checkpoint_load import (
+    load_optimizer_state,
+    load_rank_files,
+    read_handoff_optimizer,
+    read_rank_files,
+)
 from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
 from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
@@ -71,4 +76,6 @@ __all__ = [
     "built_partitions",
     "read_rank_files",
     "load_rank_files",
+    "read_handoff_optimizer",
+    "load_optimizer_state",
 ]

@@ -31,10 +31,20 @@ import torch
 
 from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, StateDictMismatchError, shown
 from stagesafe.zero.checkpoint import open_zero_checkpoint
+from stagesafe.handoff.optimizer_state import open_form
 from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
+from stagesafe.zero.handoff_optimizer import HandoffOptimizer
 from stagesafe.zero.pickle_globals import OpaqueRecord
 
-__all__ = ["FlatPartition", "partition_layout", "rank_files", "read_rank_files", "load_rank_files"]
+__all__ = [
+    "FlatPartition",
+    "load_optimizer_state",
+    "load_rank_files",
+    "partition_layout",
+    "rank_files",
+    "read_handoff_optimizer",
+    "read_rank_files",
+]
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +156,6 @@ def load_rank_files(engine: Any, files: Mapping[str, Mapping[str, Any]], *, stri
     fragments), the engine's counters, the optimizer partition (masters, state, loss scaler; the 16-bit
     partitions from the masters). A collective under ZeRO-3 (its parameters are partitioned first and the
     persistent ones gathered after)."""
-    import torch.distributed as dist
-
     model = files[_model_name(engine)]
     optimizer_state = files[os.path.basename(engine._get_zero_ckpt_name("", ""))]["optimizer_state_dict"]
     if engine._optimizer_has_ckpt_event_prologue():
@@ -158,6 +166,42 @@ def load_rank_files(engine: Any, files: Mapping[str, Mapping[str, Any]], *, stri
     engine.global_steps = model.get("global_steps", 0)
     engine.global_samples = model.get("global_samples", engine.global_steps * engine.train_batch_size())
     engine.skipped_steps = model.get("skipped_steps", 0)
+    _load_optimizer(engine, optimizer_state)
+    if engine._optimizer_has_ckpt_event_epilogue():
+        engine.optimizer.checkpoint_event_epilogue()
+
+
+def read_handoff_optimizer(
+    engine: Any, uri: str, *, storage_options: dict[str, Any] | None = None
+) -> dict[str, Any] | None:
+    """This rank's optimizer state dict for ``engine`` (as its ``optimizer.state_dict()`` would give it) from the
+    optimizer state beside the handoff at ``uri`` (:mod:`stagesafe.handoff.optimizer_state`), written from any
+    number of ranks; None when the handoff holds weights only. The fp32 masters are the handoff's weights, the
+    moments and step counts the state's; the optimizer's hyperparameters stay this engine's. Refused, naming what
+    differs, as :func:`rank_files` refuses a checkpoint: a parameter missing, another model, another optimizer."""
+    form = open_form(uri, storage_options=storage_options)
+    if form is None:
+        return None
+    source = HandoffOptimizer(form, uri, storage_options=storage_options)
+    _check_engine(engine, source)
+    layout = partition_layout(engine)
+    _check_parameters(engine, source)
+    return _optimizer_state(engine, source, layout)
+
+
+def load_optimizer_state(engine: Any, optimizer_state: Mapping[str, Any]) -> None:
+    """Load :func:`read_handoff_optimizer`'s state dict into ``engine``'s optimizer with DeepSpeed's own method
+    (a collective under ZeRO-3); the 16-bit parameters are made again from the masters."""
+    if engine._optimizer_has_ckpt_event_prologue():
+        engine.optimizer.checkpoint_event_prologue()
+    _load_optimizer(engine, optimizer_state)
+    if engine._optimizer_has_ckpt_event_epilogue():
+        engine.optimizer.checkpoint_event_epilogue()
+
+
+def _load_optimizer(engine: Any, optimizer_state: Mapping[str, Any]) -> None:
+    import torch.distributed as dist
+
     group = engine.optimizer.dp_process_group
     state_dict_list: list[Any] = [None] * dist.get_world_size(group=group)
     state_dict_list[dist.get_rank(group=group)] = optimizer_state
@@ -168,14 +212,12 @@ def load_rank_files(engine: Any, files: Mapping[str, Mapping[str, Any]], *, stri
         checkpoint_folder=None,
         param_shapes=engine._get_zero_param_shapes(),
     )
-    if engine._optimizer_has_ckpt_event_epilogue():
-        engine.optimizer.checkpoint_event_epilogue()
 
 
 # -- checks ----------------------------------------------------------------------------------------------------------
 
 
-def _check_engine(engine: Any, source: CheckpointOptimizer) -> None:
+def _check_engine(engine: Any, source: CheckpointOptimizer | HandoffOptimizer) -> None:
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
@@ -192,7 +234,7 @@ def _check_engine(engine: Any, source: CheckpointOptimizer) -> None:
             "into such an engine"
         )
     stage = 3 if _zero3(engine) else int(engine.zero_optimization_stage())
-    if (stage == 3) != (source.stage == 3):
+    if source.stage is not None and (stage == 3) != (source.stage == 3):
         raise CheckpointFormatError(
             f"{source.tag_url!r} was written under ZeRO stage {source.stage} and this engine runs stage {stage}: "
             "their partitions differ in kind. Resume with the stage that wrote it, or consolidate it "
@@ -200,7 +242,7 @@ def _check_engine(engine: Any, source: CheckpointOptimizer) -> None:
         )
 
 
-def _check_parameters(engine: Any, source: CheckpointOptimizer) -> None:
+def _check_parameters(engine: Any, source: CheckpointOptimizer | HandoffOptimizer) -> None:
     """The checkpoint's trained parameters are this engine's, with their shapes and param groups."""
     specs = source.specs
     trained = {n: s for n, s in specs.items() if s.kind == "param"}
@@ -268,7 +310,9 @@ def _few(items: list[str]) -> str:
 # -- building ---------------------------------------------------------------------------------------------------------
 
 
-def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[FlatPartition]) -> dict[str, Any]:
+def _optimizer_state(
+    engine: Any, source: CheckpointOptimizer | HandoffOptimizer, layout: list[FlatPartition]
+) -> dict[str, Any]:
     """This rank's ZeRO optimizer state dict, as the engine's ``optimizer.state_dict()`` would give it."""
     optimizer = engine.optimizer
     reads: list[tuple[str, str | None, int, torch.Tensor]] = []  # (name, key, first element, where it goes)
@@ -290,7 +334,7 @@ def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[Flat
             state[key] = _flat(source, part, key, reads=reads)
         if state:
             base_state[number] = state
-    _read_all(source, reads)
+    source.read_all(reads)
     groups = _param_groups(engine, source)
     global_state = dict(source.global_state)
     if _bf16(engine):  # BF16_Optimizer's own state_dict: no loss scaler, its fp32 partitions whole
@@ -331,7 +375,7 @@ def _optimizer_state(engine: Any, source: CheckpointOptimizer, layout: list[Flat
 
 
 def _flat(
-    source: CheckpointOptimizer, part: FlatPartition, key: str | None, *, reads: list,
+    source: CheckpointOptimizer | HandoffOptimizer, part: FlatPartition, key: str | None, *, reads: list,
     into: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A flat partition of ``key`` (None: the fp32 masters), each parameter's slice to be read from the checkpoint
@@ -350,23 +394,6 @@ def _flat(
     return flat
 
 
-_READERS = 8  # threads reading at once: a first touch of fresh memory costs a page fault, which one thread pays slowly
-
-
-def _read_all(source: CheckpointOptimizer, reads: list[tuple[str, str | None, int, torch.Tensor]]) -> None:
-    """Every read, largest first, on a few threads (``pread`` lets go of the GIL)."""
-    from stagesafe.handoff.workers import Workers
-
-    reads = sorted(reads, key=lambda r: -r[3].numel())
-    threads = max(1, min(_READERS, os.cpu_count() or 1, len(reads)))
-    if threads == 1:
-        for read in reads:
-            source.read_into(*read)
-        return
-    with Workers(threads, name="stagesafe-resume-read") as pool:
-        list(pool.map(lambda read: source.read_into(*read), reads))
-
-
 def _host_flat(tensor: torch.Tensor, numel: int) -> torch.Tensor | None:
     """The engine's flat partition where the checkpoint's values can be read straight into it: in host memory,
     contiguous, of the partition's size (on a device, DeepSpeed copies them there from host memory)."""
@@ -375,7 +402,7 @@ def _host_flat(tensor: torch.Tensor, numel: int) -> torch.Tensor | None:
     return tensor.detach().view(-1)
 
 
-def _param_groups(engine: Any, source: CheckpointOptimizer) -> list[dict[str, Any]]:
+def _param_groups(engine: Any, source: CheckpointOptimizer | HandoffOptimizer) -> list[dict[str, Any]]:
     """The torch optimizer's param groups as this engine's ``state_dict`` numbers their flat partitions, with
     the checkpoint's hyperparameters (the lr the schedule reached, ...)."""
     optimizer = engine.optimizer
@@ -387,7 +414,7 @@ def _param_groups(engine: Any, source: CheckpointOptimizer) -> list[dict[str, An
             optimizer._clear_fp32_optimizer_param_groups()
     else:
         live = optimizer.optimizer.state_dict()["param_groups"]
-    if source.param_groups is None:
+    if source.param_groups is None or not source.restores_hyperparameters:
         return live
     return [{**{k: v for k, v in saved.items() if k != "params"}, "params": group["params"]}
             for saved, group in zip(source.param_groups, live)]
@@ -424,13 +451,17 @@ def _loss_scaler(live: Any, saved: Any) -> Any:
     """The engine's loss scaler with the checkpoint's values (its scale, iteration counts): the file's object is
     a stand-in, never built from the file's class."""
     scaler = copy.copy(live)
-    if not isinstance(saved, OpaqueRecord):
+    if isinstance(saved, OpaqueRecord):
+        stands_for, attributes = saved._stands_for, saved._attributes
+    elif isinstance(saved, Mapping) and isinstance(saved.get("attributes"), Mapping):  # the handoff form's JSON
+        stands_for, attributes = str(saved.get("class")), saved["attributes"]
+    else:
         return scaler
-    if saved._stands_for.rsplit(".", 1)[-1] != type(live).__name__:
+    if stands_for.rsplit(".", 1)[-1] != type(live).__name__:
         log.warning("stagesafe: the checkpoint's loss scaler is a %s, this engine's a %s: the engine's is kept",
-                    saved._stands_for, type(live).__name__)
+                    stands_for, type(live).__name__)
         return scaler
-    for name, value in saved._attributes.items():
+    for name, value in attributes.items():
         if name in vars(scaler) and type(value) in (int, float, bool):
             setattr(scaler, name, value)
     return scaler

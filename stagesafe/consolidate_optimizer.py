@@ -1,0 +1,113 @@
+"""A DeepSpeed checkpoint's optimizer state written beside its consolidated weights, per parameter.
+
+:func:`write_optimizer_state` writes the form of :mod:`stagesafe.handoff.optimizer_state`: each trained
+parameter's slice of every per-element state (Adam's moments) gathered from whichever ranks hold it, as one fp32
+tensor per parameter and key, and the one-value state (step counts), the param groups' hyperparameters and the
+loss scaler as JSON. Like :func:`stagesafe.consolidate`, it needs no torch: the rank files' bytes go to the shards
+as they are, a run of at most 16 MiB at a time, so memory is set by the shard writer, not by the model.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stagesafe.errors import CheckpointFormatError
+from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
+from stagesafe.handoff.commit import commit
+from stagesafe.handoff.folder import HandoffFolder
+from stagesafe.handoff.fs import join
+from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME
+from stagesafe.handoff.optimizer_state import FOLDER, FormGroup, form_metadata, state_name
+from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.shards import Pieces, write_shards_shown
+from stagesafe.zero.checkpoint import ZeroCheckpoint, read_in_runs
+from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
+
+__all__ = ["remove_optimizer_state", "write_optimizer_state"]
+
+
+def write_optimizer_state(
+    ckpt: ZeroCheckpoint,
+    fs: Any,
+    root: str,
+    *,
+    max_shard_size: int,
+    workers: int,
+    overwrite: bool,
+    progress: bool | None,
+    source: dict[str, Any],
+) -> dict[str, Any]:
+    """Write ``ckpt``'s optimizer state into ``root``/optimizer and commit it; return its manifest. Refuses state
+    that is not per parameter (:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer` names it) and
+    per-element state that is not fp32, before anything is written."""
+    optimizer = CheckpointOptimizer(ckpt)
+    groups, specs = _groups(optimizer), {}
+    for key in optimizer.element_keys:
+        if optimizer.element_dtypes[key] != "float32":
+            raise CheckpointFormatError(
+                f"{ckpt.tag_url!r}: the optimizer state {key!r} is {optimizer.element_dtypes[key]}; the form beside "
+                "the weights holds fp32 state only"
+            )
+        for name in optimizer.trained():
+            specs[state_name(key, name)] = {"dtype": "float32", "shape": list(ckpt.tensors[name].shape)}
+    state_root = join(root, FOLDER)
+    if not overwrite:
+        refuse_existing_handoff(fs, state_root)
+    created = not fs.exists(state_root)
+    sizes = {name: 4 * _numel(spec["shape"]) for name, spec in specs.items()}
+    plan = plan_specs(specs, {}, max_shard_size=max_shard_size, taken=live_files(fs, state_root),
+                      state_dict=_LazyState(optimizer, specs), sizes=sizes)
+    records = write_shards_shown(fs, state_root, plan, what=f"optimizer state of {ckpt.tag}", progress=progress,
+                                 workers=workers, remove_root=created)
+    metadata = form_metadata(keys=optimizer.element_keys, groups=groups, loss_scaler=optimizer.plain_loss_scaler(),
+                             source=source)
+    return commit(fs, state_root, plan, records, metadata=metadata)
+
+
+def remove_optimizer_state(fs: Any, root: str, manifest: dict[str, Any]) -> None:
+    """Delete the state just committed in ``root``/optimizer (its weights could not be committed beside it)."""
+    HandoffFolder(fs, join(root, FOLDER)).remove([*manifest["shards"], INDEX_NAME, MANIFEST_NAME], empty_root=True)
+
+
+def _groups(optimizer: CheckpointOptimizer) -> list[FormGroup]:
+    """Each param group: its trained parameters, hyperparameters and one-value state (its first partition's)."""
+    trained = optimizer.trained()
+    hyper = optimizer.plain_param_groups()
+    count = len(hyper) if hyper is not None else max(trained.values(), default=-1) + 1
+    return [
+        FormGroup(
+            params=tuple(name for name, g in trained.items() if g == group),
+            hyperparameters=hyper[group] if hyper is not None else {},
+            state=optimizer.plain_values(optimizer.partition_of_group(group)) if optimizer.groups else {},
+        )
+        for group in range(count)
+    ]
+
+
+class _LazyState:
+    """The state tensors as a mapping that reads each one's runs from the rank files as its bytes are due."""
+
+    def __init__(self, optimizer: CheckpointOptimizer, specs: dict[str, dict[str, Any]]) -> None:
+        self._optimizer, self._specs = optimizer, specs
+        self.on_read: Any = None
+
+    def __getitem__(self, name: str) -> Pieces:
+        key, _, parameter = name.partition("/")
+        spec = self._specs[name]
+        if self.on_read is not None:
+            self.on_read(4 * _numel(spec["shape"]))
+        pieces = self._optimizer.element_pieces(parameter, key)
+        return Pieces("float32", tuple(spec["shape"]), read_in_runs(pieces, "float32"))
+
+    def __iter__(self):
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
