@@ -7,6 +7,7 @@ until someone tries to reproduce a documented number.
 from __future__ import annotations
 
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -61,6 +62,24 @@ SMALLEST = {
     "bench_resume.py": ["--hidden", "64", "--layers", "2", "--resumed", "1", "--repeat", "1", "--root", "{tmp}"],
     "rounds_end_after_fit.py": ["--rounds", "1", "--only", "local"],
 }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_resume_one_gpu_flow_runs_on_the_cpu(tmp_path):
+    """``bench_resume.py --one-gpu`` (the command docs/performance.md gives for one GPU) at a tiny size, resumed on
+    the CPU: save on 2 CPU ranks, fit(ckpt_path=) on one process, DeepSpeed's ds_to_universal.py beside."""
+    out = tmp_path / "out"
+    argv = ["--one-gpu", "--accelerator", "cpu", "--hidden", "64", "--layers", "2", "--save-threads", "1",
+            "--universal-workers", "2", "--root", str(tmp_path), "--out", str(out)]
+    result = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bench_resume.py"), *argv],
+                            capture_output=True, text=True, timeout=280, env=sanitized_env(), cwd=str(tmp_path))
+    assert result.returncode == 0, "\n".join((result.stdout + result.stderr).splitlines()[-30:])
+    facts = json.loads((out / "resume-one-gpu.json").read_text())
+    assert facts["stagesafe"]["global_step"] == 3 and facts["stagesafe"]["load_seconds"] > 0
+    assert facts["ds_to_universal"]["finished"] and facts["ds_to_universal"]["peak_tree_pss_mib"] > 0
+    assert "| stagesafe: fit(ckpt_path=) load" in (out / "resume-one-gpu.md").read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("bench-resume-one-gpu-")] == []  # cleaned up
 
 
 def test_every_cpu_benchmark_is_run_below():
