@@ -29,8 +29,8 @@ global_step100), or the folder Lightning's trainer.save_checkpoint("x.ckpt") wro
 tag folder itself. DST receives shards named model-<tag>-0000i-of-0000n.safetensors (<tag>: 8 hex digits of
 this write's own, e.g. model-3f9a01c2-00001-of-00002.safetensors), model.safetensors.index.json and the
 manifest stagesafe.json (the digest of every shard). Both may be local paths or fsspec URLs. With --optimizer,
-DST/optimizer receives the optimizer state the same way (tensors exp_avg/<parameter>, ...; step counts and
-hyperparameters in its manifest), and DST's manifest names it: StageSafeDeepSpeedStrategy(resume_from=DST)
+DST/optimizer-<tag> receives the optimizer state the same way (tensors exp_avg/<parameter>, ...; step counts
+and hyperparameters in its manifest), and DST's manifest names it: StageSafeDeepSpeedStrategy(resume_from=DST)
 continues training from both on any number of ranks.
 
 examples:
@@ -51,7 +51,7 @@ examples:
 """
 _VERIFY_EPILOG = """\
 Re-hashes every shard and compares it with the digest and size in the manifest, and checks the index (and the
-same of the optimizer state in URL/optimizer, when the manifest names it);
+same of the optimizer state in URL/optimizer-<tag>, when the manifest names it);
 says which digest it checked (xxh3-128-tree, blake3, or sha256 for handoffs written before the digest was
 named). Exit 0 when all match, 1 naming the first shard that does not (or an index that differs from the
 manifest: loaders that follow the index would read other tensors), 2 when URL holds no handoff.
@@ -156,7 +156,7 @@ def _add_consolidate(sub: Any, storage: argparse.ArgumentParser) -> None:
     p.add_argument("--exclude-frozen", action="store_true", help="leave out parameters that were not trained")
     p.add_argument(
         "--optimizer", action="store_true",
-        help="also write the optimizer state per parameter into DST/optimizer (fp32 moments, step counts and "
+        help="also write the optimizer state per parameter into DST/optimizer-<tag> (fp32 moments, step counts and "
         "hyperparameters), so that resume_from=DST continues training at any number of ranks; weights stay fp32",
     )
     p.add_argument("--overwrite", action="store_true", help="replace a handoff already at DST (atomically)")
@@ -269,7 +269,8 @@ def _consolidate(args: argparse.Namespace) -> int:
     )
     if not args.quiet:
         source = manifest["metadata"].get("source", {})
-        state = f" and the optimizer state to {args.dst.rstrip('/')}/optimizer" if args.optimizer else ""
+        bound = manifest["metadata"].get("optimizer") or {}
+        state = f" and the optimizer state to {args.dst.rstrip('/')}/{bound.get('folder')}" if bound else ""
         print(_escaped(
             f"wrote {len(manifest['weight_map'])} tensors ({_size(manifest['total_size'])}) in "
             f"{len(manifest['shards'])} shard{'s' if len(manifest['shards']) != 1 else ''} to {args.dst}{state} "

@@ -14,6 +14,7 @@ whose rounding defines the result; :func:`load_zero_checkpoint` returns tensors,
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
@@ -32,12 +33,18 @@ from stagesafe.handoff.manifest import (
     parse_size,
 )
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
-from stagesafe.handoff.optimizer_state import binding, refuse_other_dtype
+from stagesafe.handoff.optimizer_state import binding, bound_folder, new_folder, refuse_other_dtype, remove_state
 from stagesafe.handoff.read import committed_manifest, committed_shards, read_manifest
 from stagesafe.handoff.shards import Pieces, write_shards_shown
-from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
+from stagesafe.errors import (
+    CheckpointFormatError,
+    HandoffCorruptError,
+    HandoffExistsError,
+    HandoffNotFoundError,
+    InvalidArgumentError,
+)
 from stagesafe.flags import checked_flag, checked_optional_flag
-from stagesafe.consolidate_optimizer import remove_optimizer_state, write_optimizer_state
+from stagesafe.consolidate_optimizer import write_optimizer_state
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
 
@@ -91,7 +98,7 @@ def consolidate(
     stderr is a terminal). Nothing is left at ``dst`` if it fails; an existing handoff at ``dst`` is replaced
     atomically only with ``overwrite=True``.
 
-    ``optimizer=True`` also writes the optimizer state per parameter into ``dst``/optimizer (fp32 moments keyed by
+    ``optimizer=True`` also writes the optimizer state per parameter into ``dst``/optimizer-<tag> (fp32 moments by
     parameter name, step counts and hyperparameters as JSON; :mod:`stagesafe.handoff.optimizer_state`), committed
     before the weights, whose manifest binds it: ``StageSafeDeepSpeedStrategy(resume_from=dst)`` then continues
     training with it at any number of ranks. The weights stay fp32 (the masters); ``dtype`` must be None or fp32.
@@ -110,17 +117,19 @@ def consolidate(
         fs, root = resolve(dst, storage_options)
         created = _check_destination(fs, root, overwrite)
         metadata = _metadata(ckpt, out_dtype, exclude_frozen)
-        state = None
-        if optimizer:  # first: the weights' manifest, the commit of both, names it
-            state = write_optimizer_state(ckpt, fs, root, max_shard_size=limit, workers=workers, overwrite=overwrite,
+        folder = None
+        if optimizer:  # first, in a folder of its own: the weights' manifest, the commit of both, names it
+            folder = new_folder(set(list_files(fs, root, kind="directory")))
+            state = write_optimizer_state(ckpt, fs, root, folder, max_shard_size=limit, workers=workers,
                                           progress=progress, source=_source(ckpt))
-            metadata["optimizer"] = binding(state)
-        try:
+            metadata["optimizer"] = binding(folder, state)
+        try:  # the commit deletes the state the replaced weights named
             return _write_weights(ckpt, fs, root, out_dtype, limit, created=created, workers=workers,
                                   progress=progress, metadata=metadata)
         except BaseException:
-            if state is not None and not _binds(fs, root, state):  # no weights name it: it goes
-                remove_optimizer_state(fs, root, state)
+            if folder is not None and _bound_state(fs, root, unknown=folder) != folder:  # no weights name it
+                with contextlib.suppress(Exception):  # best effort: the first error is the one to see
+                    remove_state(fs, root, folder)
             raise
 
 
@@ -323,16 +332,15 @@ def _committed_here(fs: Any, root: str, files: Iterable[str]) -> bool:
         return True
 
 
-def _binds(fs: Any, root: str, state: Mapping[str, Any]) -> bool:
-    """Whether the committed weights in ``root`` name the optimizer state whose manifest is ``state``; when the
-    store cannot say, they do, so that nothing is removed."""
+def _bound_state(fs: Any, root: str, *, unknown: str | None = None) -> str | None:
+    """The optimizer state folder the committed weights in ``root`` name (None: no weights, or weights only);
+    ``unknown`` when the store cannot say (so that nothing is removed on a guess)."""
     try:
-        bound = committed_manifest(HandoffFolder(fs, root), explain=False)["metadata"].get("optimizer")
-    except HandoffNotFoundError:
-        return False
+        return bound_folder(committed_manifest(HandoffFolder(fs, root), explain=False))
+    except (HandoffNotFoundError, HandoffCorruptError):
+        return None
     except Exception:  # noqa: BLE001 - the store is failing
-        return True
-    return isinstance(bound, Mapping) and bound.get("checksum") == state["checksum"]
+        return unknown
 
 
 def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:

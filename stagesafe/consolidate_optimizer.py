@@ -3,7 +3,7 @@
 :func:`write_optimizer_state` writes the form of :mod:`stagesafe.handoff.optimizer_state`: each trained
 parameter's slice of every per-element state (Adam's moments) gathered from whichever ranks hold it, as one fp32
 tensor per parameter and key, and the one-value state (step counts), the param groups' hyperparameters and the
-loss scaler as JSON. Like :func:`stagesafe.consolidate`, it needs no torch: the rank files' bytes go to the shards
+loss scaler as JSON, in a folder of the write's own. Like :func:`stagesafe.consolidate`, it needs no torch: the rank files' bytes go to the shards
 as they are, a run of at most 16 MiB at a time, so memory is set by the shard writer, not by the model.
 """
 
@@ -12,34 +12,32 @@ from __future__ import annotations
 from typing import Any
 
 from stagesafe.errors import CheckpointFormatError
-from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
+from stagesafe.handoff.cleanup import live_files
 from stagesafe.handoff.commit import commit
-from stagesafe.handoff.folder import HandoffFolder
 from stagesafe.handoff.fs import join
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME
-from stagesafe.handoff.optimizer_state import FOLDER, FormGroup, form_metadata, state_name
+from stagesafe.handoff.optimizer_state import FormGroup, form_metadata, state_name
 from stagesafe.handoff.plan import plan_specs
 from stagesafe.handoff.shards import Pieces, write_shards_shown
 from stagesafe.zero.checkpoint import ZeroCheckpoint, read_in_runs
 from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
 
-__all__ = ["remove_optimizer_state", "write_optimizer_state"]
+__all__ = ["write_optimizer_state"]
 
 
 def write_optimizer_state(
     ckpt: ZeroCheckpoint,
     fs: Any,
     root: str,
+    folder: str,
     *,
     max_shard_size: int,
     workers: int,
-    overwrite: bool,
     progress: bool | None,
     source: dict[str, Any],
 ) -> dict[str, Any]:
-    """Write ``ckpt``'s optimizer state into ``root``/optimizer and commit it; return its manifest. Refuses state
-    that is not per parameter (:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer` names it) and
-    per-element state that is not fp32, before anything is written."""
+    """Write ``ckpt``'s optimizer state into the new folder ``root``/``folder`` and commit it; return its manifest.
+    Refuses state that is not per parameter (:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`
+    names it) and per-element state that is not fp32, before anything is written."""
     optimizer = CheckpointOptimizer(ckpt)
     groups, specs = _groups(optimizer), {}
     for key in optimizer.element_keys:
@@ -50,9 +48,7 @@ def write_optimizer_state(
             )
         for name in optimizer.trained():
             specs[state_name(key, name)] = {"dtype": "float32", "shape": list(ckpt.tensors[name].shape)}
-    state_root = join(root, FOLDER)
-    if not overwrite:
-        refuse_existing_handoff(fs, state_root)
+    state_root = join(root, folder)
     created = not fs.exists(state_root)
     sizes = {name: 4 * _numel(spec["shape"]) for name, spec in specs.items()}
     plan = plan_specs(specs, {}, max_shard_size=max_shard_size, taken=live_files(fs, state_root),
@@ -62,11 +58,6 @@ def write_optimizer_state(
     metadata = form_metadata(keys=optimizer.element_keys, groups=groups, loss_scaler=optimizer.plain_loss_scaler(),
                              source=source)
     return commit(fs, state_root, plan, records, metadata=metadata)
-
-
-def remove_optimizer_state(fs: Any, root: str, manifest: dict[str, Any]) -> None:
-    """Delete the state just committed in ``root``/optimizer (its weights could not be committed beside it)."""
-    HandoffFolder(fs, join(root, FOLDER)).remove([*manifest["shards"], INDEX_NAME, MANIFEST_NAME], empty_root=True)
 
 
 def _groups(optimizer: CheckpointOptimizer) -> list[FormGroup]:

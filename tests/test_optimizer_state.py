@@ -19,10 +19,15 @@ from test_checkpoint_optimizer import PARAMS, _with_state
 from stagesafe import load_state_dict, read_manifest, save_state_dict
 from stagesafe.cli import main
 from stagesafe.consolidate import consolidate
-from stagesafe.errors import CheckpointFormatError, HandoffCorruptError, InvalidArgumentError
-from stagesafe.handoff.optimizer_state import FOLDER, FORM, binding, open_form
+from stagesafe.errors import CheckpointFormatError, HandoffCorruptError, InvalidArgumentError, StorageTransferError
+from stagesafe.handoff.optimizer_state import FORM, binding, bound_folder, open_form
 from stagesafe.handoff.verify import verify
 from stagesafe.zero.handoff_optimizer import HandoffOptimizer
+
+
+def _state(dst: str) -> str:
+    """The optimizer state's folder that the handoff at ``dst`` names."""
+    return f"{dst}/{bound_folder(read_manifest(dst))}"
 
 
 def _checkpoint(tmp_path, stage: int = 3, world_size: int = 2, **kwargs) -> str:
@@ -36,13 +41,15 @@ def test_each_parameters_moments_are_written_under_its_name_with_the_step_and_hy
 ):
     dst = str(tmp_path / "out")
     manifest = consolidate(_checkpoint(tmp_path, stage, world_size), dst, optimizer=True, max_shard_size=700)
-    weights, state = load_state_dict(dst), load_state_dict(f"{dst}/{FOLDER}")
+    weights, state = load_state_dict(dst), load_state_dict(_state(dst))
     assert set(state) == {f"{key}/{name}" for key in ("exp_avg", "exp_avg_sq") for name in PARAMS}
     for name, value in PARAMS.items():
         assert torch.equal(weights[name], value)
         assert torch.equal(state[f"exp_avg/{name}"], value * 2) and torch.equal(state[f"exp_avg_sq/{name}"], value * 3)
     form = open_form(dst)
-    assert manifest["metadata"]["optimizer"] == binding(form.manifest) and len(form.manifest["shards"]) > 1
+    folder = manifest["metadata"]["optimizer"]["folder"]
+    assert manifest["metadata"]["optimizer"] == binding(folder, form.manifest) and len(form.manifest["shards"]) > 1
+    assert form.url == f"{dst}/{folder}" and os.listdir(dst).count(folder) == 1
     assert form.keys == ("exp_avg", "exp_avg_sq") and len(form.groups) == 1
     group = form.groups[0]
     assert group.params == tuple(PARAMS) and group.state == {"step": {"dtype": "float32", "value": 5.0}}
@@ -56,15 +63,15 @@ def test_the_command_writes_it_without_torch_and_verify_checks_both(tmp_path):
             "rc = rc or main(['verify', sys.argv[2]]); print('TORCH', 'torch' in sys.modules); sys.exit(rc)")
     result = run_python(code, src, dst)
     assert result.returncode == 0, result.stderr[-2000:]
-    assert "TORCH False" in result.stdout and f"optimizer state to {dst}/optimizer" in result.stdout
+    assert "TORCH False" in result.stdout and f"optimizer state to {_state(dst)} " in result.stdout
     assert "and the optimizer state beside it" in result.stdout
 
 
 def test_a_changed_byte_of_the_state_fails_verify(tmp_path, capsys):
     dst = str(tmp_path / "out")
     consolidate(_checkpoint(tmp_path), dst, optimizer=True)
-    (shard,) = read_manifest(f"{dst}/{FOLDER}")["shards"]
-    path = os.path.join(dst, FOLDER, shard)
+    (shard,) = read_manifest(_state(dst))["shards"]
+    path = os.path.join(_state(dst), shard)
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) - 3)
         f.write(b"\x7f")
@@ -81,8 +88,8 @@ def test_a_state_the_weights_were_not_written_with_is_refused(tmp_path):
     consolidate(_checkpoint(tmp_path), dst, optimizer=True)
     other = str(tmp_path / "other")
     consolidate(_checkpoint(tmp_path / "b", 2, 3), other, optimizer=True)
-    save_state_dict(load_state_dict(f"{other}/{FOLDER}"), f"{dst}/{FOLDER}", overwrite=True,
-                    metadata=read_manifest(f"{other}/{FOLDER}")["metadata"])
+    save_state_dict(load_state_dict(_state(other)), _state(dst), overwrite=True,
+                    metadata=read_manifest(_state(other))["metadata"])
     with pytest.raises(HandoffCorruptError, match="not the one these weights were written with"):
         open_form(dst)
     with pytest.raises(HandoffCorruptError, match="not the one these weights were written with"):
@@ -135,7 +142,7 @@ def test_weights_only_has_no_state_and_an_unknown_form_is_refused(tmp_path):
     assert open_form(dst) is None
     weights = load_state_dict(dst)
     save_state_dict(weights, dst, overwrite=True, metadata={"optimizer": {"format": "stagesafe-optimizer/9"}})
-    with pytest.raises(HandoffCorruptError, match=f"not a form this stagesafe reads \\({FORM}\\)"):
+    with pytest.raises(HandoffCorruptError, match=f"not a form this stagesafe reads \\({FORM}, in a folder"):
         open_form(dst)
 
 
@@ -153,14 +160,13 @@ def test_a_form_whose_json_disagrees_with_its_tensors_is_refused(tmp_path, edit,
     """A state written by hand (or edited) is checked against its tensors and the weights beside it."""
     dst = str(tmp_path / "out")
     consolidate(_checkpoint(tmp_path), dst, optimizer=True)
-    state = read_manifest(f"{dst}/{FOLDER}")
-    metadata = json.loads(json.dumps(state["metadata"]))
+    folder = _state(dst)
+    metadata = json.loads(json.dumps(read_manifest(folder)["metadata"]))
     edit(metadata["optimizer_state"])
-    rewritten = save_state_dict(load_state_dict(f"{dst}/{FOLDER}"), f"{dst}/{FOLDER}", overwrite=True,
-                                metadata=metadata)
+    rewritten = save_state_dict(load_state_dict(folder), folder, overwrite=True, metadata=metadata)
     weights = read_manifest(dst)
     save_state_dict(load_state_dict(dst), dst, overwrite=True,
-                    metadata={**weights["metadata"], "optimizer": binding(rewritten)})
+                    metadata={**weights["metadata"], "optimizer": binding(os.path.basename(folder), rewritten)})
     with pytest.raises(HandoffCorruptError, match=says):
         open_form(dst)
 
@@ -169,9 +175,35 @@ def test_on_s3(s3, tmp_path):
     """The form on an object store: written by the command, verified, read per parameter."""
     url, options = s3.new_url(), s3.storage_options()
     consolidate(_checkpoint(tmp_path), url, optimizer=True, storage_options=options)
-    assert {n.split("/")[0] for n in s3.objects(url)} >= {"optimizer", "stagesafe.json"}
+    assert {n.split("/")[0] for n in s3.objects(url)} == {bound_folder(read_manifest(url, storage_options=options)),
+                                                          "stagesafe.json", "model.safetensors.index.json",
+                                                          *read_manifest(url, storage_options=options)["shards"]}
     verify(url, storage_options=options)
     source = HandoffOptimizer(open_form(url, storage_options=options), url, storage_options=options)
     out = torch.empty(7)
     source.read_all([("body.bias", "exp_avg_sq", 0, out)])
     assert torch.equal(out, PARAMS["body.bias"] * 3)
+
+
+def test_a_new_write_replaces_the_pair_and_the_old_state_goes_after_the_commit(tmp_path):
+    """--overwrite writes the new state beside the old pair, which stays whole until the new weights commit;
+    then the old state, which nothing names any more, goes."""
+    dst = str(tmp_path / "out")
+    consolidate(_checkpoint(tmp_path), dst, optimizer=True)
+    first = bound_folder(read_manifest(dst))
+    consolidate(_checkpoint(tmp_path / "b", 2, 3), dst, optimizer=True, overwrite=True)
+    second = bound_folder(read_manifest(dst))
+    assert second != first and sorted(d for d in os.listdir(dst) if d.startswith("optimizer")) == [second]
+    assert open_form(dst).source["world_size"] == 3
+    consolidate(_checkpoint(tmp_path / "c"), dst, overwrite=True)  # weights only: the state goes too
+    assert open_form(dst) is None and not any(d.startswith("optimizer") for d in os.listdir(dst))
+
+
+def test_weights_that_fail_to_commit_leave_no_state(s3, tmp_path):
+    """The state is committed, then the weights' commit fails (the S3 server refuses that one PUT): the state,
+    which no weights name, goes too, and the folder holds nothing."""
+    url, options = s3.new_url(), s3.storage_options()
+    s3.fail("PUT", r"[0-9a-f]{32}/handoff/stagesafe\.json$", 403, "AccessDenied")  # the weights' manifest only
+    with pytest.raises(StorageTransferError, match="could not commit .*access denied"):
+        consolidate(_checkpoint(tmp_path), url, optimizer=True, storage_options=options)
+    assert s3.objects(url) == {}

@@ -218,6 +218,7 @@ FORM_CASES = {
     "z3-2to3-s3": (3, 2, 3, "s3"),
     "z2-2to1-s3": (2, 2, 1, "s3"),
     "z3-2to1-validate-first": (3, 2, 1, "local"),  # a validate call first: the first fit still continues the state
+    "z2-2to3-validate-here": (2, 2, 3, "local"),  # the same, its handoff written where it resumed from
 }
 
 
@@ -250,7 +251,12 @@ def test_resume_from_a_consolidated_handoff_continues_the_optimizer_bitwise(root
     stage, saved, resumed, where = FORM_CASES[case]
     out = _saved(root, stage, saved, "stagesafe")
     url, options = _consolidated(request, out, where)
-    _from_form(root, out, stage, resumed, url + ("#validate" if "validate" in case else ""), options, f"form-{case}")
+    if case.endswith("-here"):  # this case writes into the handoff it resumes from: a copy of its own
+        shutil.copytree(url, f"{url}-{case}")
+        url = f"{url}-{case}#validate-here"
+    elif "validate" in case:
+        url += "#validate"
+    _from_form(root, out, stage, resumed, url, options, f"form-{case}")
     expected, now = _tensors(f"{out}/saved.safetensors"), _tensors(f"{out}/form-{case}.safetensors")
     assert set(now) == set(expected)
     for name, value in expected.items():
@@ -258,8 +264,13 @@ def test_resume_from_a_consolidated_handoff_continues_the_optimizer_bitwise(root
     assert _json(f"{out}/form-{case}.json")["steps"] == _json(f"{out}/saved.json")["steps"]
     from stagesafe import load_state_dict
 
-    after = load_state_dict(f"{out}/form-{case}-handoff")
+    after = load_state_dict(url.partition("#")[0] if case.endswith("-here") else f"{out}/form-{case}-handoff")
     assert not torch.equal(after["backbone.head.weight"], expected["master/backbone.head.weight"])  # it trained
+    if case.endswith("-here"):  # the trained weights replaced the resumed ones there, and their state went with them
+        from stagesafe.handoff.optimizer_state import open_form
+
+        assert open_form(url.partition("#")[0]) is None
+        assert not [d for d in os.listdir(url.partition("#")[0]) if d.startswith("optimizer-")]
 
 
 @pytest.mark.parametrize(
@@ -276,7 +287,7 @@ def test_what_the_form_cannot_resume_is_refused_naming_what_differs(root, varian
     """Never a silent restart of the optimizer: a model that trains other parameters, another optimizer, and a
     state (written by hand) that lacks a parameter are refused on every rank before any step."""
     from stagesafe import load_state_dict, read_manifest, save_state_dict
-    from stagesafe.handoff.optimizer_state import binding
+    from stagesafe.handoff.optimizer_state import binding, bound_folder
 
     out = _saved(root, 3, 2, "stagesafe")
     url, _ = _consolidated(None, out, "local")
@@ -284,15 +295,15 @@ def test_what_the_form_cannot_resume_is_refused_naming_what_differs(root, varian
         url = os.path.join(out, "form-missing")
         if not os.path.exists(url):
             shutil.copytree(os.path.join(out, "form"), url)
-            state = read_manifest(f"{url}/optimizer")
-            metadata = json.loads(json.dumps(state["metadata"]))
+            weights = read_manifest(url)
+            folder = bound_folder(weights)
+            metadata = json.loads(json.dumps(read_manifest(f"{url}/{folder}")["metadata"]))
             for group in metadata["optimizer_state"]["param_groups"]:
                 group["params"] = [p for p in group["params"] if p != "backbone.head.bias"]
-            tensors = {k: v for k, v in load_state_dict(f"{url}/optimizer").items() if not k.endswith("head.bias")}
-            rebound = save_state_dict(tensors, f"{url}/optimizer", overwrite=True, metadata=metadata)
-            weights = read_manifest(url)
+            tensors = {k: v for k, v in load_state_dict(f"{url}/{folder}").items() if not k.endswith("head.bias")}
+            rebound = save_state_dict(tensors, f"{url}/{folder}", overwrite=True, metadata=metadata)
             save_state_dict(load_state_dict(url), url, overwrite=True,
-                            metadata={**weights["metadata"], "optimizer": binding(rebound)})
+                            metadata={**weights["metadata"], "optimizer": binding(folder, rebound)})
     module_variant = "" if variant == "missing" else variant
     _from_form(root, out, 3, 1, f"{url}#{module_variant or 'plain'}", None, f"form-{variant}")
     error = _json(f"{out}/form-refused-{module_variant or 'plain'}-1.json")

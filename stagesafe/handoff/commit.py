@@ -30,7 +30,8 @@ from stagesafe.handoff.folder import UNCHANGED, HandoffFolder, check_retry
 from stagesafe.handoff.fs import fsync_dir
 from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, build_index, build_manifest
 from stagesafe.handoff.plan import HandoffPlan
-from stagesafe.handoff.read import committed_manifest, committed_shards
+from stagesafe.handoff.optimizer_state import bound_folder, remove_state
+from stagesafe.handoff.read import committed_manifest, committed_or_none
 from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.handoff.shards import ShardRecord
 
@@ -43,10 +44,12 @@ _INDEX_ROUNDS = 5  # looks at the index after a commit; each more is needed only
 
 @dataclass(frozen=True)
 class Commit:
-    """A committed handoff: its manifest, and the shard files of the handoff it replaced (now unused)."""
+    """A committed handoff: its manifest, and the shard files of the handoff it replaced (now unused), and the
+    optimizer state folder that handoff named and this one does not (:mod:`.optimizer_state`)."""
 
     manifest: dict[str, Any]
     replaced: frozenset[str]
+    replaced_state: str | None = None
 
 
 def commit(
@@ -90,7 +93,8 @@ def commit_handoff(
     folder = HandoffFolder(fs, root, check_retry(retry))
     manifest = _manifest(folder, plan, shard_records, metadata)
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
-    replaced = committed_shards(folder)
+    before = committed_or_none(folder)
+    replaced = set(before["shards"]) if before is not None else set()
     text = (readable_json(manifest) + "\n").encode()
     folder.transfer(
         lambda: folder.write(MANIFEST_NAME, text),
@@ -108,17 +112,22 @@ def commit_handoff(
             "handoff before this one until `stagesafe verify --fix-index %s` or the next save rewrites it",
             folder.url, INDEX_NAME, exc, folder.url,
         )
-    return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])))
+    state = bound_folder(before) if before is not None else None
+    return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])),
+                  replaced_state=state if state != bound_folder(manifest) else None)
 
 
 def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> None:
-    """After a commit: delete the shards of the handoff it replaced, and the files killed or failed writers
+    """After a commit: delete the shards of the handoff it replaced (and the optimizer state it named, which this
+    one does not), and the files killed or failed writers
     left behind once they are older than :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones
     may belong to another writer's commit in progress). Best effort: a failure is logged, never raised, since
     the handoff is committed."""
     folder = HandoffFolder(fs, root)
     try:
         folder.remove(done.replaced)
+        if done.replaced_state is not None:
+            remove_state(fs, root, done.replaced_state)
         remove_orphans(folder)
     except Exception as exc:  # noqa: BLE001 - any storage client's error
         log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", folder.url, exc)

@@ -4,35 +4,54 @@ A handoff with its optimizer state (``stagesafe consolidate --optimizer``) is tw
 verified as any other (safetensors shards, index, manifest with every shard's digest):
 
     DST/stagesafe.json      the weights (fp32 masters of the trained parameters, frozen ones, buffers); its
-                            metadata's ``"optimizer"`` entry binds the state: ``{"format", "folder": "optimizer",
-                            "checksum"}``, the checksum of the state's own manifest
-    DST/optimizer/          the state: one fp32 tensor ``"<key>/<parameter>"`` of the parameter's shape per key
+                            metadata's ``"optimizer"`` entry binds the state: ``{"format", "folder":
+                            "optimizer-<tag>", "checksum"}``, the checksum of the state's own manifest
+    DST/optimizer-<tag>/    the state: one fp32 tensor ``"<key>/<parameter>"`` of the parameter's shape per key
                             the optimizer holds per element (AdamW: ``exp_avg``, ``exp_avg_sq``); its manifest's
                             metadata ``"optimizer_state"`` holds the rest as JSON (:func:`form_metadata`)
 
-The state is committed first and the weights name its checksum, so a reader that finds the weights' manifest
-finds the state it was written with, or an error saying that the state beside it is another write's. No torch and
-no tensor data here: the rules of the form (:func:`form_metadata`, :func:`check_form`) and finding it
-(:func:`open_form`).
+Each write's state goes to a folder of its own (``<tag>``: 8 hex digits), committed before the weights, which name
+it and its checksum: until the weights commit, the pair there before stays whole; after it, the state the old
+weights named is no longer named and goes. A reader that finds the weights' manifest finds the state it was
+written with, or an error saying that the state beside it is another write's. No torch and no tensor data here:
+the rules of the form (:func:`form_metadata`, :func:`check_form`) and finding it (:func:`open_form`).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, shown
+from stagesafe.handoff.folder import HandoffFolder
 from stagesafe.handoff.fs import join, resolve, url_of
-from stagesafe.handoff.manifest import check_metadata
-from stagesafe.handoff.read import read_manifest
+from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, check_metadata
+from stagesafe.handoff.read import committed_or_none, read_manifest
 
-__all__ = ["FOLDER", "FORM", "FormGroup", "OptimizerForm", "binding", "check_form", "form_metadata", "open_form",
-           "refuse_other_dtype", "state_name"]
+__all__ = ["FORM", "FormGroup", "OptimizerForm", "binding", "bound_folder", "check_form", "form_metadata",
+           "new_folder", "open_form", "refuse_other_dtype", "remove_state", "state_name"]
 
 FORM = "stagesafe-optimizer/1"
-FOLDER = "optimizer"  # the state's handoff, inside the weights' folder
+_FOLDER_RE = re.compile(r"optimizer-[0-9a-f]{8}")  # the state's handoff, a folder inside the weights' folder
 _KEY = "optimizer_state"  # its manifest's metadata entry
+
+
+def new_folder(taken: set[str]) -> str:
+    """A state folder's name of a write's own: ``optimizer-<8 hex digits>``, none of ``taken``."""
+    while True:
+        name = f"optimizer-{secrets.token_hex(4)}"
+        if name not in taken:
+            return name
+
+
+def bound_folder(weights: Mapping[str, Any]) -> str | None:
+    """The state folder the committed weights' manifest names, if it names one of this form's names."""
+    bound = weights["metadata"].get("optimizer")
+    folder = bound.get("folder") if isinstance(bound, Mapping) else None
+    return folder if isinstance(folder, str) and _FOLDER_RE.fullmatch(folder) else None
 
 
 def state_name(key: str, parameter: str) -> str:
@@ -84,9 +103,19 @@ def form_metadata(
     return check_metadata({_KEY: body})
 
 
-def binding(state_manifest: Mapping[str, Any]) -> dict[str, Any]:
-    """The weights' metadata entry that binds the committed state whose manifest is ``state_manifest``."""
-    return {"format": FORM, "folder": FOLDER, "checksum": state_manifest["checksum"]}
+def remove_state(fs: Any, root: str, folder: str) -> None:
+    """Delete the optimizer state in ``root``/``folder`` that no weights name (the weights beside it could not be
+    committed, or newer weights replaced those that named it): its shards and index, its manifest last, then the
+    folder if nothing else is in it. Raises what the store raises; a state left behind is read by nothing."""
+    state = HandoffFolder(fs, join(root, folder))
+    manifest = committed_or_none(state)
+    state.remove([*(manifest["shards"] if manifest is not None else ()), INDEX_NAME])
+    state.remove([MANIFEST_NAME], empty_root=True)
+
+
+def binding(folder: str, state_manifest: Mapping[str, Any]) -> dict[str, Any]:
+    """The weights' metadata entry that binds the state committed in ``folder`` with manifest ``state_manifest``."""
+    return {"format": FORM, "folder": folder, "checksum": state_manifest["checksum"]}
 
 
 def open_form(uri: str, *, storage_options: dict[str, Any] | None = None) -> OptimizerForm | None:
@@ -96,18 +125,19 @@ def open_form(uri: str, *, storage_options: dict[str, Any] | None = None) -> Opt
     bound = weights["metadata"].get("optimizer")
     if bound is None:
         return None
-    if not isinstance(bound, Mapping) or bound.get("format") != FORM or bound.get("folder") != FOLDER:
+    folder = bound_folder(weights)
+    if not isinstance(bound, Mapping) or bound.get("format") != FORM or folder is None:
         raise HandoffCorruptError(
             f"{uri!r}: its manifest names optimizer state as {shown(bound, 120)}, not a form this stagesafe reads "
-            f"({FORM}); upgrade stagesafe, or consolidate the checkpoint again"
+            f"({FORM}, in a folder optimizer-<8 hex digits>); upgrade stagesafe, or consolidate the checkpoint again"
         )
     fs, root = resolve(uri, storage_options)
-    url = url_of(fs, join(root, FOLDER))
+    url = url_of(fs, join(root, folder))
     try:
         state = read_manifest(url, storage_options=storage_options)
     except HandoffNotFoundError:
         raise HandoffCorruptError(
-            f"{uri!r}: its manifest names optimizer state in {FOLDER!r}, but {url!r} holds none; the handoff is "
+            f"{uri!r}: its manifest names optimizer state in {folder!r}, but {url!r} holds none; the handoff is "
             "incomplete: write it again (stagesafe consolidate --optimizer --overwrite)"
         ) from None
     if state["checksum"] != bound.get("checksum"):

@@ -46,6 +46,7 @@ __all__ = [
     "check_contents",
     "check_present",
     "committed_manifest",
+    "committed_or_none",
     "committed_shards",
     "fetch_manifest",
     "load_state_dict",
@@ -191,13 +192,18 @@ def committed_manifest(folder: HandoffFolder, *, explain: bool = True) -> dict[s
 def committed_shards(folder: HandoffFolder) -> set[str]:
     """The shard files of the committed handoff in ``folder``; none if there is none or it cannot be read (its
     files are then left to the age rule of :func:`~stagesafe.handoff.cleanup.remove_stale`)."""
+    manifest = committed_or_none(folder)
+    return set(manifest["shards"]) if manifest is not None else set()
+
+
+def committed_or_none(folder: HandoffFolder) -> dict[str, Any] | None:
+    """The committed manifest in ``folder`` (read with its retries), or None if there is none or it is damaged."""
     try:
-        manifest = folder.transfer(
+        return folder.transfer(
             lambda: committed_manifest(folder, explain=False), what=f"read {folder.url}/{MANIFEST_NAME}"
         )
     except (HandoffNotFoundError, HandoffCorruptError):
-        return set()
-    return set(manifest["shards"])
+        return None
 
 
 def parse_json(raw: bytes, where: str) -> Any:

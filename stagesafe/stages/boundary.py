@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
-from stagesafe.handoff.read import HandoffReader, check_present
+from stagesafe.handoff.read import HandoffReader, check_present, read_manifest
 from stagesafe.stages import collectives
 from stagesafe.stages.engine_weights import take_from_engine
 from stagesafe.stages.exit_steps import FirstFailure, PhaseClock, no_collector_passes
@@ -182,7 +182,7 @@ class StageBoundary:
             )
         if history is None:
             tensors, history = self._first_stage(tensors, resume_from, on_meta, weights_from or {})
-        if resume_from is not None and history.weights_from == {"resumed_from": resume_from.uri}:
+        if resume_from is not None and history.weights_from.get("resumed_from") == resume_from.uri:
             self.resumed = resume_from  # no call has changed the weights it took (inference calls, a fit with no step)
         history.note_names(tensors, fresh=built)
         self.history = history
@@ -212,26 +212,39 @@ class StageBoundary:
         """A module's first stage under stagesafe: it takes ``resume_from``'s weights (a module of meta tensors
         is built from that handoff instead), and its history starts, naming this call as where its weights are
         from unless they are resumed."""
+        bound = None
         if resume_from is not None and not on_meta:
-            tensors = self._resume(resume_from)
+            tensors, bound = self._resume(resume_from)
         history = new_history(self.module)
         history.weights_from = dict(weights_from)
         if resume_from is not None:
             history.target = resume_from if on_meta else None
             history.weights_from = {"resumed_from": resume_from.uri}
+            if bound is not None:  # written again where they were read, the weights still name their optimizer state
+                history.weights_from["optimizer"] = bound
         return tensors, history
 
-    def _resume(self, source: HandoffTarget) -> dict[str, torch.Tensor]:
-        """Every rank loads and checks the handoff; none changes its module unless all can."""
-        placed = collectives.all_ranks(
-            lambda: load_for(self.module, source.uri, storage_options=source.storage_options,
-                             progress=None if collectives.rank() == 0 else False),  # one bar, on rank 0's terminal
+    def _resume(self, source: HandoffTarget) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+        """Every rank loads and checks the handoff; none changes its module unless all can. Returns the module's
+        tensors and, where this stage's handoff is that same folder, the optimizer state its weights name (which
+        a write of the same weights there names again)."""
+
+        def read() -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
+            placed = load_for(self.module, source.uri, storage_options=source.storage_options,
+                              progress=None if collectives.rank() == 0 else False)  # one bar, on rank 0's terminal
+            if source.uri.rstrip("/") != self.target.uri.rstrip("/"):
+                return placed, None
+            bound = read_manifest(source.uri, storage_options=source.storage_options)["metadata"].get("optimizer")
+            return placed, bound
+
+        placed, bound = collectives.all_ranks(
+            read,
             f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
             "not visible from other nodes; use shared storage or an object store)",
         )
         zero_engine.strip_deepspeed_state(self.module, None)
         assign_values(self.module, placed)
-        return state_tensors(self.module)
+        return state_tensors(self.module), bound
 
     def _still_there(self, history: ModuleHistory, on_meta: bool) -> None:
         """The handoff that holds the module's weights may have been deleted or damaged since it was written
@@ -474,6 +487,7 @@ class StageBoundary:
     ) -> _Taken:
         if source is WeightSource.STREAMED:
             metadata = {**handoff_metadata(history), **weights_from}  # the new weights' stage and step win
+            metadata.pop("optimizer", None)  # new weights: the state the resumed ones named is not theirs
             self._publisher.streamed(history, self._entry.values or {}, metadata)
             return _Taken(source)
         if source in (WeightSource.MASTERS, WeightSource.BUILT):

@@ -19,7 +19,7 @@ PHASE ``form``: WRITER is the URL of a handoff written by ``stagesafe consolidat
   JSON in ``STAGESAFE_TEST_STORAGE``); a new module on RANKS ranks, ``fit(max_epochs=1)`` under stagesafe with
   ``resume_from=URL``; when training starts rank 0 records masters, moments, step and lr in ``OUT/<name>.*``
   (``STAGESAFE_TEST_RECORD``, default ``form-M``). A URL ending in ``#validate``: ``validate`` first, then the
-  fit. Ending in ``#plain``, ``#extra``, ``#frozen`` or ``#sgd``: that module (see ``refuse``), expected to be
+  fit; ``#validate-here``: the same, writing the handoff where it resumed from (``handoff_uri=URL``). Ending in ``#plain``, ``#extra``, ``#frozen`` or ``#sgd``: that module (see ``refuse``), expected to be
   refused: rank 0 records the error every rank raised (or null) in ``OUT/form-refused-<what>-M.json``.
 Lightning starts the other ranks by running this command line again.
 """
@@ -143,16 +143,17 @@ def refuse(out: str, stage: int, ranks: int, variant: str) -> None:
 def resume_from_form(out: str, stage: int, ranks: int, url: str) -> None:
     """fit under ``resume_from=url`` (a handoff with its optimizer state); see the module."""
     url, _, variant = url.partition("#")
-    refused = variant not in ("", "validate")
+    refused = variant not in ("", "validate", "validate-here")
     options = json.loads(os.environ.get("STAGESAFE_TEST_STORAGE") or "null")
-    module = new_module("" if variant == "validate" else variant)
+    module = new_module("" if variant.startswith("validate") else variant)
     name = os.environ.get("STAGESAFE_TEST_RECORD", f"form-{ranks}")
     if refused:
         name = f"form-refused-{variant}-{ranks}"
-    strategy = StageSafeDeepSpeedStrategy(stage=stage, resume_from=url, storage_options=options,
-                                          handoff_uri=f"{out}/{name}-handoff", overwrite_handoff=True)
+    here = url if variant == "validate-here" else f"{out}/{name}-handoff"  # -here: the handoff is written there
+    strategy = StageSafeDeepSpeedStrategy(stage=stage, resume_from=url, storage_options=options, handoff_uri=here,
+                                          overwrite_handoff=True)
     t = trainer(strategy, ranks, Record("start", f"{out}/{name}"), max_epochs=1)
-    if variant == "validate":  # an inference call first: the weights it took are unchanged, the state still theirs
+    if variant.startswith("validate"):  # an inference call first: the weights it took are unchanged, the state theirs
         t.validate(module, dataloader(), verbose=False)
     try:
         t.fit(module, dataloader())
