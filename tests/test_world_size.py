@@ -187,6 +187,11 @@ def _plain(root: str, stage: int, dtype: str, saved: int, resumed: tuple[int, ..
     for ranks in resumed:
         run_ranks(PLAIN, ["ours", *args], world_size=ranks, timeout=300, cwd=root)
     run_ranks(PLAIN, ["stock", *args], world_size=saved, timeout=300, cwd=root)
+    from stagesafe.cli import main
+
+    assert main(["consolidate", "--optimizer", "-q", f"{out}/ckpt", f"{out}/form"]) == 0
+    for ranks in resumed:
+        run_ranks(PLAIN, ["form", *args], world_size=ranks, timeout=300, cwd=root)
     return out
 
 
@@ -195,12 +200,14 @@ def _plain(root: str, stage: int, dtype: str, saved: int, resumed: tuple[int, ..
 def test_a_plain_deepspeed_checkpoint_resumes_on_another_world_size(root, stage, dtype, resumed):
     """Masters and moments of both param groups, the tied weight's once, and the frozen layer come back bitwise;
     the engine then steps. At the world size that saved, they equal what DeepSpeed's own load gives. ZeRO-1
-    under bf16 is DeepSpeed's BF16_Optimizer, whose partitions are laid out its own way."""
+    under bf16 is DeepSpeed's BF16_Optimizer, whose partitions are laid out its own way. The same through
+    `stagesafe consolidate --optimizer`'s handoff (``form``), which knows no world size."""
     saved = 2
     out = _plain(root, stage, dtype, saved, (1, 2, 3))
     expected = _tensors(f"{out}/saved.safetensors")
     assert any(n.startswith("frozen/") for n in expected) and "master/embed.weight" in expected
-    for other in (f"{out}/ours-{resumed}.safetensors", f"{out}/stock-{saved}.safetensors"):
+    for other in (f"{out}/ours-{resumed}.safetensors", f"{out}/stock-{saved}.safetensors",
+                  f"{out}/form-{resumed}.safetensors"):
         got = _tensors(other)
         assert set(got) == set(expected), other
         for name, value in expected.items():

@@ -8,6 +8,9 @@ PHASE ``save``: make_zero_checkpoint.py's engine (the tiny model: a tied weight,
 PHASE ``ours``: a new engine loads ``OUT/ckpt`` with stagesafe (read_rank_files, load_rank_files) and records the
   same in ``OUT/ours-<world size>.safetensors``; then takes a step.
 PHASE ``stock``: the same with DeepSpeed's own ``engine.load_checkpoint`` (only at the world size that saved).
+PHASE ``form``: the same from ``OUT/form``, the handoff ``stagesafe consolidate --optimizer`` wrote of ``OUT/ckpt``
+  (``read_handoff_optimizer``, ``load_optimizer_state``: masters, moments and step counts; the frozen layer and
+  the buffers are the new engine's, as initialised), recorded in ``OUT/form-<world size>.safetensors``.
 Rank 0 prints ``DONE {"seconds": load time, "peak_rss_mib": this process's peak}``: a benchmark too, with
 ``--model big``.
 """
@@ -92,7 +95,7 @@ def record(engine, path: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("phase", choices=("save", "ours", "stock"))
+    parser.add_argument("phase", choices=("save", "ours", "stock", "form"))
     parser.add_argument("out")
     parser.add_argument("stage", type=int)
     parser.add_argument("--model", choices=("tiny", "big"), default="tiny")
@@ -114,7 +117,12 @@ def main() -> int:
             record(engine, f"{args.out}/saved.safetensors")
         engine.save_checkpoint(f"{args.out}/ckpt")
     else:
-        from stagesafe.zero.engine import load_rank_files, read_rank_files  # imported before the clock, as DeepSpeed's
+        from stagesafe.zero.engine import (  # imported before the clock, as DeepSpeed's
+            load_optimizer_state,
+            load_rank_files,
+            read_handoff_optimizer,
+            read_rank_files,
+        )
 
         torch.distributed.barrier()
         start = time.perf_counter()
@@ -122,6 +130,8 @@ def main() -> int:
             files, _ = read_rank_files(engine, f"{args.out}/ckpt")
             load_rank_files(engine, files)
             del files
+        elif args.phase == "form":
+            load_optimizer_state(engine, read_handoff_optimizer(engine, f"{args.out}/form"))
         else:
             engine.load_checkpoint(f"{args.out}/ckpt")
         torch.distributed.barrier()
