@@ -130,6 +130,7 @@ def consolidate(
             if folder is not None and _bound_state(fs, root, unknown=folder) != folder:  # no weights name it
                 with contextlib.suppress(Exception):  # best effort: the first error is the one to see
                     remove_state(fs, root, folder)
+                    HandoffFolder(fs, root).remove([], empty_root=created)
             raise
 
 

@@ -207,3 +207,14 @@ def test_weights_that_fail_to_commit_leave_no_state(s3, tmp_path):
     with pytest.raises(StorageTransferError, match="could not commit .*access denied"):
         consolidate(_checkpoint(tmp_path), url, optimizer=True, storage_options=options)
     assert s3.objects(url) == {}
+
+
+def test_weights_whose_commit_fails_on_a_local_disk_leave_no_state(tmp_path):
+    """The state committed, the weights' commit fails (a folder where their manifest goes): the state goes, and
+    the weights' shards; what was there stays."""
+    dst = tmp_path / "out"
+    (dst / "stagesafe.json").mkdir(parents=True)
+    (dst / "stagesafe.json" / "x").write_text("x")
+    with pytest.raises(Exception, match="stagesafe.json"):
+        consolidate(_checkpoint(tmp_path), str(dst), optimizer=True, overwrite=True)
+    assert sorted(os.listdir(dst)) == ["stagesafe.json"]
