@@ -142,3 +142,52 @@ def test_set_fp32_masters_of_many_small_odd_and_tied_parameters_is_bitwise_and_z
     assert rank0["padding"] == {}
     padded = {"small.40": [0.0], "small.41": [0.0], "small.42": [0.0], "small.43": [0.0], "small.45": [0.0]}
     assert rank1["padding"] == padded
+
+
+def _partitions_built(flat: bool, bf16: bool) -> dict[str, torch.Tensor]:
+    """Each parameter's 16-bit (or fp32) partition and fp32 master partition on this rank, of an engine built over a
+    module whose values differ between the ranks (every rank must end with rank 0's)."""
+    import contextlib
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    from stagesafe.zero import engine as zero_engine
+
+    groups._WORLD_GROUP = None
+    os.environ["LOCAL_RANK"] = str(dist.get_rank())
+    torch.manual_seed(dist.get_rank())  # the ranks' modules differ
+    model = _Many()
+    config = {**CONFIG, "bf16": {"enabled": bf16}}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    with zero_engine.flat_broadcasts() if flat else contextlib.nullcontext():
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, dist_init_required=False)
+    def valid(p: nn.Parameter, partition: torch.Tensor) -> torch.Tensor:  # DeepSpeed leaves padding uninitialized
+        return partition[: max(0, min(partition.numel(), p.ds_numel - dist.get_rank() * partition.numel()))].clone()
+
+    built = {f"{n}/partition": valid(p, p.ds_tensor.detach()) for n, p in model.named_parameters()}
+    optimizer = engine.optimizer
+    built.update({f"{n}/master": valid(p, optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=False)[0])
+                  for n, p in model.named_parameters() if p.requires_grad})
+    engine.destroy()
+    return built
+
+
+def _built_both_ways(bf16: bool) -> dict:
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.partition_parameters import Init
+
+    own = (DeepSpeedEngine._broadcast_model, Init._convert_to_zero_parameters)
+    theirs, ours = _partitions_built(False, bf16), _partitions_built(True, bf16)
+    return {"equal": _equal(ours, theirs), "count": len(ours),
+            "restored": own == (DeepSpeedEngine._broadcast_model, Init._convert_to_zero_parameters)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bf16", [False, True])
+def test_an_engine_built_with_a_broadcast_per_bucket_holds_deepspeeds_own_partitions_bitwise(two_ranks, bf16):
+    for seen in two_ranks.run(_built_both_ways, bf16):
+        assert not isinstance(seen, BaseException), seen
+        assert seen["equal"] and seen["restored"], seen
+        assert seen["count"] == 2 * (len(SIZES) + 1) + 1  # partitions of every parameter, masters of the trained

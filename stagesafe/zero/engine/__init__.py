@@ -9,7 +9,8 @@ ZeRO (:mod:`.parameters`), the state an engine leaves on a module and taking it 
 stale state, strip, destroy), the weights read out of a live engine (:mod:`.values_out`: full specs, gathered
 values, fp32 masters) and put into one (:mod:`.values_in`: partitions from values, loaded values, masters set), and
 the engine's own checkpoint files (:mod:`.checkpoint_state`; ZeRO-3's fp32 master partitions in them as recipes,
-:mod:`.fp32_partitions`), and the user's optimizer given back over the module's parameters (:mod:`.optimizer`).
+:mod:`.fp32_partitions`), the user's optimizer given back over the module's parameters (:mod:`.optimizer`), and
+DeepSpeed's per-parameter broadcasts of a plain module at engine build made one per bucket (:mod:`.broadcasts`).
 Callers use the names below, from this package.
 """
 
@@ -22,6 +23,7 @@ from stagesafe.zero.engine.checkpoint_state import (
     checkpoint_files_later,
     foreseen_state_specs,
 )
+from stagesafe.zero.engine.broadcasts import flat_broadcasts
 from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
 from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
@@ -67,4 +69,5 @@ __all__ = [
     "foreseen_state_specs",
     "PartitionRecipe",
     "built_partitions",
+    "flat_broadcasts",
 ]
