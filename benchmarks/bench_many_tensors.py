@@ -7,7 +7,8 @@ One job alone (what the table's rows run):
 
 A module of N parameters of ``--floats`` floats each (the same bytes in ``--few`` tensors as the baseline), AdamW,
 bf16-mixed, ZeRO-3, a new Trainer per call: validate -> fit (one step) -> test. Measured per call: its wall time,
-stagesafe's boundary (entering: the clean check and the plan; leaving: consolidate, destroy, restore, publish)
+stagesafe's boundary (entering: the clean check, the plan and, for a fit, the exact fp32 values loaded into
+the new engine's masters; leaving: consolidate, destroy, restore, publish)
 and each rank's peak RSS (the kernel's high-water mark, reset before each call). ``stock`` runs the same calls
 under Lightning's own DeepSpeedStrategy (its later calls on the same module are what this project fixes: a
 failure is recorded, not raised).

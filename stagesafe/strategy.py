@@ -236,7 +236,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._boundary = boundary
         if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(_StageReturned())
-        super().setup(trainer)
+        with zero_engine.flat_broadcasts():  # DeepSpeed's broadcast of each parameter: one per bucket instead
+            super().setup(trainer)
         boundary.engine_built(self.model, training=trains)
         if trains and boundary.resumed is not None:
             self._resume_optimizer(boundary.resumed)

@@ -61,7 +61,8 @@ class BoundaryReport:
     stage: str
     uri: str
     seconds: float = 0.0  # leaving the stage: consolidate, destroy, restore, start the write
-    enter_seconds: float = 0.0  # entering it: the clean check, host memory, the engine's partitions from a handoff
+    enter_seconds: float = 0.0  # entering it: the clean check, host memory, the engine's partitions from a handoff,
+    # and once the engine is built, a fit's exact fp32 values loaded into its masters
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step (the writer's too, once it ran)
     wrote: bool = False  # a handoff write of this stage's weights was started
     handoff_bytes: int = 0
@@ -317,12 +318,13 @@ class StageBoundary:
     def engine_built(self, engine: Any, *, training: bool) -> None:
         """Give the new engine's optimizer the exact fp32 values instead of ones rebuilt from 16-bit weights;
         start making host memory ready for the optimizer state the stage's end keeps, as far as it is known."""
-        entry = self._entry
+        start, entry = time.perf_counter(), self._entry
         if training and entry.values is not None:
             values = {**entry.values, **entry.masters} if entry.masters else entry.values  # a reader stays lazy
             collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, values),
                                   "loading the fp32 master weights")
         self._end.engine_built(engine, self.module, last_write=self.writer)
+        self.report.enter_seconds += time.perf_counter() - start
 
     def optimizer_stepped(self, engine: Any) -> None:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""

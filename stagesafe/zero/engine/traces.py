@@ -176,9 +176,13 @@ def strip_deepspeed_state(module: nn.Module, footprint: ModuleFootprint | None) 
             continue
         done.add(id(param))
         before = footprint.param_attrs.get(id(param)) if footprint else None
-        for key in list(vars(param)):
-            if (before is not None and key not in before) or key.startswith("ds_") or key in _PARAM_LINKS:
-                delattr(param, key)
+        attrs = vars(param)
+        if before is not None and not before:  # the user set none: everything there is DeepSpeed's (~30 a param)
+            attrs.clear()
+        else:
+            for key in list(attrs):
+                if (before is not None and key not in before) or key.startswith("ds_") or key in _PARAM_LINKS:
+                    delattr(param, key)
         _remove_hooks(param, _TENSOR_HOOK_TABLES, footprint.param_hooks.get(id(param)) if footprint else None)
 
 

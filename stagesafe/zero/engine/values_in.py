@@ -82,17 +82,73 @@ def set_fp32_masters(module: nn.Module, values: Mapping[str, torch.Tensor]) -> i
 
     count = 0
     seen: set[int] = set()
+    zero3: list[tuple[nn.Parameter, str]] = []
     for name, param in module.named_parameters(remove_duplicate=False):
         if id(param) in seen or not has_fp32_master(param) or name not in values:
             continue
         seen.add(id(param))
         if is_zero3_param(param):
-            _set_zero3_master(param, values[name])
+            zero3.append((param, name))
         else:
             value = values[name].detach().to(device=param.device, dtype=torch.float32)
             deepspeed.utils.safe_set_full_fp32_param(param, value)
         count += 1
+    _set_zero3_masters(zero3, values)
     return count
+
+
+def _set_zero3_masters(named: list[tuple[nn.Parameter, str]], values: Mapping[str, torch.Tensor]) -> None:
+    """Write this rank's slice of each parameter's value into its fp32 master partition. The partitions that hold no
+    padding and live in a flat partition in memory (not swapped out) are written by one batched copy per
+    call of up to 64 MiB (``values`` may be a lazy reader: what a batch holds is bounded); the others one at a
+    time (:func:`_set_zero3_master`)."""
+    destinations: list[torch.Tensor] = []
+    sources: list[torch.Tensor] = []
+    flats: dict[tuple[int, int], tuple[torch.Tensor, int] | None] = {}
+    pending = 0
+    for param, name in named:
+        value = values[name]
+        optimizer = param._z3_optimizer
+        index, offset, count = optimizer.grad_position[optimizer.get_param_id(param)]
+        key = (id(optimizer), int(index))
+        if key not in flats:
+            flats[key] = _flat_partition(optimizer, param, int(index))
+        flat = value.detach().reshape(-1)
+        start = count * flats[key][1] if flats[key] is not None else 0
+        if flats[key] is None or start + count > flat.numel():
+            _set_zero3_master(param, value)
+            continue
+        destinations.append(flats[key][0].narrow(0, offset, count))
+        sources.append(flat.narrow(0, start, count))
+        pending += flat.numel() * flat.element_size()
+        if pending >= _BATCH_BYTES:
+            _copy_batch(destinations, sources)
+            pending = 0
+    _copy_batch(destinations, sources)
+
+
+_BATCH_BYTES = 64 * 2**20  # bytes of values one batched copy of masters holds at most
+
+
+def _copy_batch(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """One batched copy (converting dtype and device as ``copy_`` does); empties both lists."""
+    if destinations:
+        with torch.no_grad():
+            torch._foreach_copy_(destinations, sources)
+    destinations.clear()
+    sources.clear()
+
+
+def _flat_partition(optimizer: Any, param: nn.Parameter, index: int) -> tuple[torch.Tensor, int] | None:
+    """A sub-group's flat fp32 master partition and this rank's place in the parameters' partition group;
+    None where the sub-group may be swapped out (its masters are written one at a time)."""
+    if optimizer._swappable_optimizer_subgroup(index):
+        return None
+    stream = getattr(optimizer, "reduce_and_partition_stream", None)
+    if stream is not None:
+        stream.synchronize()  # the partitions' last updates are in place
+    rank = torch.distributed.get_rank(group=optimizer._get_param_partition_group(param))
+    return optimizer.fp32_partitioned_groups_flat[index], rank
 
 
 def _set_zero3_master(param: nn.Parameter, value: torch.Tensor) -> None:

@@ -120,13 +120,42 @@ class GatheredValues(Mapping):
             gathered = torch.empty(world * bucket.length, dtype=local.dtype, device=local.device)
             dist.all_gather_into_tensor(gathered, local, group=bucket.group)
             rows = gathered.view(world, bucket.length)
-        for name, param, offset, count in bucket.members:
+        members = self._place_batched(bucket, rows) if rows.device.type == "cpu" else bucket.members
+        for name, param, offset, count in members:
             pieces = rows[:, offset - bucket.start : offset - bucket.start + count].reshape(-1)
             master = pieces[: param.ds_numel].reshape(param.ds_shape)
             if stream is not None:
                 stream.wait_stream(torch.cuda.current_stream(master.device))
             placed = self._place(name, master, stream)
             self._ready[name] = (master, False) if placed is None else (placed, True)
+
+    def _place_batched(self, bucket: "_Bucket", rows: torch.Tensor) -> list:
+        """Host memory: the bucket's masters that fill their ranks' partitions exactly (no padding) and have a
+        host tensor go straight from the gathered rows into it, all in one batched copy (no per-master copy on
+        the way); those of ``keep_for`` get copies of their own, from one buffer. Returns the other members."""
+        world = rows.shape[0]
+        rest, dests, sources, placed = [], [], [], []
+        for member in bucket.members:
+            name, param, offset, count = member
+            dest = self._into.get(name)
+            if dest is None or world * count != param.ds_numel or not _fits_numel(dest, rows.dtype, param.ds_numel):
+                rest.append(member)
+                continue
+            start = offset - bucket.start
+            dests.append(dest.view(world, count))
+            sources.append(rows[:, start : start + count])
+            placed.append((name, dest))
+        if not placed:
+            return rest
+        torch._foreach_copy_(dests, sources)
+        kept = [(name, dest) for name, dest in placed if name in self._keep_for]
+        if kept:  # a copy of their own, as a master gathered one at a time is: one allocation, one batched copy
+            buffer = torch.empty(sum(d.numel() for _, d in kept), dtype=rows.dtype)
+            copies = torch.split(buffer, [d.numel() for _, d in kept])
+            torch._foreach_copy_(list(copies), [d.view(-1) for _, d in kept])
+            self.kept.update((name, copy.view(dest.shape)) for (name, dest), copy in zip(kept, copies))
+        self._ready.update((name, (dest, True)) for name, dest in placed)
+        return rest
 
     def synchronize(self) -> None:
         """Wait for the copies into ``into`` (asynchronous into page-locked memory) and the gathers."""
@@ -234,9 +263,8 @@ def _bucket(flat: torch.Tensor, group: Any, members: list) -> _Bucket:
 
 
 def _fits(dest: torch.Tensor, master: torch.Tensor) -> bool:
-    return (
-        dest.device.type == "cpu"
-        and dest.dtype == master.dtype
-        and dest.numel() == master.numel()
-        and dest.is_contiguous()
-    )
+    return _fits_numel(dest, master.dtype, master.numel())
+
+
+def _fits_numel(dest: torch.Tensor, dtype: torch.dtype, numel: int) -> bool:
+    return dest.device.type == "cpu" and dest.dtype == dtype and dest.numel() == numel and dest.is_contiguous()
