@@ -25,8 +25,6 @@ import json
 import os
 import sys
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
 import torch
 from torch import nn
 
@@ -178,4 +176,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # here, not at import: a GPU script imports the models
     sys.exit(main())
