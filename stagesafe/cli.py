@@ -307,7 +307,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from stagesafe.handoff.fs import join, resolve
+    from stagesafe.storage.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
     from stagesafe.handoff.manifest import digest_of
     from stagesafe.handoff.verify import verify

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.commit import commit
-from stagesafe.handoff.folder import HandoffFolder
-from stagesafe.handoff.fs import list_files, resolve, url_of
+from stagesafe.storage.folder import Folder
+from stagesafe.storage.fs import list_files, resolve, url_of
 from stagesafe.handoff.manifest import (
     DEFAULT_MAX_SHARD_SIZE,
     INDEX_NAME,
@@ -113,7 +113,7 @@ def consolidate(
             return commit(fs, root, plan, records, metadata=_metadata(ckpt, out_dtype, exclude_frozen))
         except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
             if not taken and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
-                HandoffFolder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
+                Folder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
             raise  # else the shards are an interrupted save's, which the next save cleans up
 
 
@@ -294,7 +294,7 @@ def _committed_here(fs: Any, root: str, files: Iterable[str]) -> bool:
     """Whether the manifest in ``root`` names any of ``files``: a commit that failed may still have landed. When
     the store cannot say, it did, so that nothing is removed."""
     try:
-        return bool(committed_shards(HandoffFolder(fs, root)) & set(files))
+        return bool(committed_shards(Folder(fs, root)) & set(files))
     except Exception:  # noqa: BLE001 - the store is failing
         return True
 

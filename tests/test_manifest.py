@@ -25,10 +25,11 @@ from stagesafe.handoff.manifest import (
     plan_shards,
     shard_digest,
     shard_file_names,
+    scratch_name,
     tag_for,
-    temp_name,
     validate_manifest,
 )
+from stagesafe.storage.temp_names import temp_name
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 
 
@@ -55,6 +56,7 @@ def test_pure_module_imports_neither_torch_nor_fsspec(module):
         "stagesafe.errors",
         "stagesafe.handoff.codec",
         "stagesafe.handoff.digest",  # pure as well: tests/test_digest.py
+        "stagesafe.storage.temp_names",  # pure as well: tests/test_temp_names.py
     }
 
 
@@ -146,6 +148,8 @@ def test_name_patterns():
     assert is_temp_name("stagesafe.json.tmp-deadbeef")
     assert is_temp_name("model.safetensors.index.json.tmp-0")
     assert not is_temp_name("notes.txt.tmp-deadbeef")  # not ours: left alone
+    assert is_temp_name(scratch_name()) and is_temp_name(scratch_name("0123abcd"))  # a probe the cleanup removes
+    assert scratch_name("0123abcd") != scratch_name("4567cdef") and not is_shard_name(scratch_name())
 
 
 def test_build_index_is_huggingface_layout():

@@ -12,8 +12,6 @@ all read and write handoffs through these modules, one job each:
 - :mod:`~stagesafe.handoff.read`: ``read_manifest``, ``load_state_dict``, ``HandoffReader``, ``check_present``.
 - :mod:`~stagesafe.handoff.verify`: ``verify``, every shard re-hashed, the index checked.
 - :mod:`~stagesafe.handoff.cleanup`: leftovers of failed writers, and what must never be deleted.
-- :mod:`~stagesafe.handoff.folder`: a handoff's folder (file system, path, retry policy) and its storage calls;
-  below it :mod:`~stagesafe.handoff.fs` (fsspec), :mod:`~stagesafe.handoff.retry`,
-  :mod:`~stagesafe.handoff.safe_files` (opening only regular files of the folder) and
-  :mod:`~stagesafe.handoff.workers` (the thread pool).
+
+Every storage call goes through :mod:`stagesafe.storage`, which knows nothing of this format.
 """

@@ -7,10 +7,10 @@ it without importing torch.
 from __future__ import annotations
 
 import math
+import secrets
 import hashlib
 import json
 import re
-import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from decimal import Decimal
 from typing import Any
@@ -18,6 +18,7 @@ from typing import Any
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, shown
 import stagesafe.handoff.digest as _digest
 from stagesafe.handoff.codec import SAFETENSORS_DTYPES, check_tensor
+from stagesafe.storage.temp_names import TEMP_SUFFIX, temp_name
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE",
@@ -26,6 +27,7 @@ __all__ = [
     "INDEX_NAME",
     "MANIFEST_NAME",
     "SAFETENSORS_DTYPES",
+    "UNCHANGED",
     "build_index",
     "build_manifest",
     "check_metadata",
@@ -34,11 +36,11 @@ __all__ = [
     "is_temp_name",
     "parse_size",
     "plan_shards",
+    "scratch_name",
     "shard_digest",
     "shard_file_names",
     "shard_names",
     "tag_for",
-    "temp_name",
     "validate_manifest",
 ]
 
@@ -47,11 +49,12 @@ FORMATS = ("stagesafe/1", FORMAT)  # stagesafe/1: sha256, what every handoff rec
 DEFAULT_MAX_SHARD_SIZE = "1GB"  # one default for the strategy, save_state_dict and the CLI
 INDEX_NAME = "model.safetensors.index.json"  # the name Hugging Face loaders look for
 MANIFEST_NAME = "stagesafe.json"  # written last: its presence and content define the committed handoff
+UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 
 _SHARD_RE = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5,12}-of-\d{5,12}\.safetensors")  # 12: a name a disk can hold
 # Only temporary files of our own names, so that a user's unrelated `x.tmp-1` in the folder is left alone.
 _TEMP_RE = re.compile(
-    r"(?:model-.*\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(MANIFEST_NAME) + r")\.tmp-[0-9a-f]+"
+    r"(?:model-.*\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(MANIFEST_NAME) + ")" + TEMP_SUFFIX
 )
 _TAG_RE = re.compile(r"[0-9a-f]{8}")
 
@@ -149,9 +152,10 @@ def is_shard_name(name: str) -> bool:
     return _SHARD_RE.fullmatch(name) is not None
 
 
-def temp_name(name: str, token: str | None = None) -> str:
-    """The temporary name ``name`` is written under before the rename that publishes it."""
-    return f"{name}.tmp-{token if token is not None else secrets.token_hex(4)}"
+def scratch_name(token: str | None = None) -> str:
+    """A file name in a handoff folder that is none of its files and that the handoff's own cleanup removes,
+    should it be left behind: for a probe or a token written there before any handoff (``token``: hex)."""
+    return temp_name(MANIFEST_NAME, token)
 
 
 def is_temp_name(name: str) -> bool:

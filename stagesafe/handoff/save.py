@@ -15,11 +15,11 @@ from stagesafe.flags import checked_flag
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.commit import commit
-from stagesafe.handoff.folder import check_retry, check_workers
-from stagesafe.handoff.fs import check_not_a_file, resolve
+from stagesafe.storage.folder import check_retry, check_workers
+from stagesafe.storage.fs import check_not_a_file, resolve
 from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, check_metadata
 from stagesafe.handoff.plan import plan_handoff, plan_specs
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.shards import write_shards
 
 if TYPE_CHECKING:
@@ -48,7 +48,7 @@ def save_state_dict(
     ``"sha256"`` writes a handoff that stagesafe versions before the digest was chosen can read too).
     ``workers`` shards are built and uploaded at a time (default: 4 on a remote filesystem, 1 on a local disk),
     so about that many shards are in flight at once. Every storage operation is tried again on transient
-    errors as ``retry`` says (default :class:`~stagesafe.handoff.retry.RetryPolicy`); if one still fails,
+    errors as ``retry`` says (default :class:`~stagesafe.storage.retry.RetryPolicy`); if one still fails,
     ``StorageTransferError`` names it, the shards this call wrote are deleted and the handoff committed before
     is unchanged. Two processes saving to one ``uri`` at once never mix their files: the last commit wins
     whole, and neither deletes the other's shards.

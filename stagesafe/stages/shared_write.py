@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from stagesafe.errors import StorageTransferError
-from stagesafe.handoff.fs import resolve, url_of
+from stagesafe.storage.fs import resolve, url_of
 from stagesafe.handoff.manifest import check_metadata, tag_for
 from stagesafe.handoff.cleanup import delete_shards
 from stagesafe.handoff.commit import Commit, commit_handoff

@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
-from stagesafe.handoff.fs import resolve
+from stagesafe.storage.fs import resolve
 from stagesafe.handoff.manifest import tag_for
 from stagesafe.handoff.plan import HandoffPlan
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.commit import Commit, remove_replaced
 from stagesafe.handoff.read import read_manifest
 from stagesafe.stages.channel import JobChannel, Outcome, quoted
