@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["main", "run"]
 

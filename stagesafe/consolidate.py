@@ -23,14 +23,9 @@ from stagesafe.handoff.codec import check_tensor
 from stagesafe.handoff.commit import commit
 from stagesafe.storage.folder import Folder
 from stagesafe.storage.fs import list_files, resolve, url_of
-from stagesafe.handoff.manifest import (
-    DEFAULT_MAX_SHARD_SIZE,
-    INDEX_NAME,
-    MANIFEST_NAME,
-    digest_of,
-    is_shard_name,
-    parse_size,
-)
+from stagesafe.handoff.manifest import digest_of
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
 from stagesafe.handoff.read import committed_shards, read_manifest
 from stagesafe.handoff.shards import Pieces, write_shards

@@ -37,7 +37,7 @@ from stagesafe.errors import (
     InvalidArgumentError,
     describe,
 )
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions

@@ -15,7 +15,7 @@ from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.commit import commit, commit_handoff, remove_replaced
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
 from stagesafe.storage.fs import resolve
-from stagesafe.handoff.plan import plan_handoff
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.handoff.read import load_state_dict, read_manifest
 from stagesafe.handoff.save import save_state_dict
 from stagesafe.handoff.shards import write_shard

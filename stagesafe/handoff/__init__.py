@@ -3,8 +3,10 @@
 Nothing here knows about Lightning, DeepSpeed or a running job: the strategy, the CLI and the public functions
 all read and write handoffs through these modules, one job each:
 
-- :mod:`~stagesafe.handoff.manifest`: the format's rules, pure (sizes, shard names, index, manifest);
-  :mod:`~stagesafe.handoff.codec`: the safetensors header; :mod:`~stagesafe.handoff.digest`: the shards' hashes.
+- The format's rules, pure: :mod:`~stagesafe.handoff.names` (which file is what),
+  :mod:`~stagesafe.handoff.sizes` (``max_shard_size``), :mod:`~stagesafe.handoff.index` (Hugging Face's
+  index), :mod:`~stagesafe.handoff.manifest` (the commit's record, built and validated),
+  :mod:`~stagesafe.handoff.codec` (the safetensors header), :mod:`~stagesafe.handoff.digest` (the shards' hashes).
 - :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path.
 - :mod:`~stagesafe.handoff.shards`: writing shard files, the one parallel shard writer.
 - :mod:`~stagesafe.handoff.commit`: publishing written shards (manifest, then index), deleting what it replaced.

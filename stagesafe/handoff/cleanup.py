@@ -19,7 +19,7 @@ import fsspec
 from stagesafe.errors import HandoffExistsError
 from stagesafe.storage.folder import Folder, check_retry
 from stagesafe.storage.fs import basename, list_files, resolve
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, is_shard_name, is_temp_name
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name, is_temp_name
 from stagesafe.handoff.read import committed_shards
 from stagesafe.storage.retry import RetryPolicy
 

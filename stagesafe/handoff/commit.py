@@ -28,7 +28,10 @@ from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import remove_orphans
 from stagesafe.storage.folder import Folder, check_retry
 from stagesafe.storage.fs import fsync_dir
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, UNCHANGED, build_index, build_manifest
+from stagesafe.handoff.index import build_index
+from stagesafe.handoff.manifest import build_manifest
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
+from stagesafe.handoff.shards import UNCHANGED
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.read import committed_manifest, committed_shards
 from stagesafe.storage.retry import RetryPolicy

@@ -22,15 +22,9 @@ from stagesafe.handoff import digest as _digest
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.storage.folder import Folder, check_workers, each
 from stagesafe.storage.fs import basename, bucket_of, is_local, join, list_files, url_of
-from stagesafe.handoff.manifest import (
-    INDEX_NAME,
-    MANIFEST_NAME,
-    digest_of,
-    is_shard_name,
-    shard_digest,
-    shard_names,
-    validate_manifest,
-)
+from stagesafe.handoff.index import shard_names
+from stagesafe.handoff.manifest import digest_of, shard_digest, validate_manifest
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.plan import dtype_name
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.storage.safe_files import open_in, read_in, size_of

@@ -17,8 +17,10 @@ from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.commit import commit
 from stagesafe.storage.folder import check_retry, check_workers
 from stagesafe.storage.fs import check_not_a_file, resolve
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, check_metadata
-from stagesafe.handoff.plan import plan_handoff, plan_specs
+from stagesafe.handoff.manifest import check_metadata
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.shards import write_shards
 

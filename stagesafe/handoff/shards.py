@@ -22,14 +22,16 @@ from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.codec import encode_header
 from stagesafe.storage.folder import Folder, check_retry, check_workers, each
 from stagesafe.storage.fs import is_local
-from stagesafe.handoff.manifest import UNCHANGED, is_shard_name
+from stagesafe.handoff.names import is_shard_name
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
 from stagesafe.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Pieces", "ShardRecord", "write_shard", "write_shards"]
+__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards"]
+
+UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 
 _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a few times, under a busy trainer
 

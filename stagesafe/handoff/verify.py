@@ -21,7 +21,8 @@ from stagesafe.handoff import codec
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.commit import index_follows_the_manifest, write_index
 from stagesafe.storage.folder import Folder, check_workers, each
-from stagesafe.handoff.manifest import INDEX_NAME, digest_of, is_shard_name
+from stagesafe.handoff.manifest import digest_of
+from stagesafe.handoff.names import INDEX_NAME, is_shard_name
 from stagesafe.handoff.read import (
     MAX_JSON,
     ShardVanished,

@@ -13,7 +13,8 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from stagesafe.handoff.manifest import UNCHANGED, scratch_name
+from stagesafe.handoff.names import scratch_name
+from stagesafe.handoff.shards import UNCHANGED
 from stagesafe.storage.folder import read_small, remove_file, write_probe
 from stagesafe.storage.fs import join, resolve, url_of
 from stagesafe.stages import collectives

@@ -18,10 +18,12 @@ import torch
 
 from stagesafe.errors import StorageTransferError
 from stagesafe.storage.fs import resolve, url_of
-from stagesafe.handoff.manifest import check_metadata, tag_for
+from stagesafe.handoff.manifest import check_metadata
+from stagesafe.handoff.names import tag_for
 from stagesafe.handoff.cleanup import delete_shards
 from stagesafe.handoff.commit import Commit, commit_handoff
-from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_handoff
+from stagesafe.handoff.plan import HandoffPlan, dtype_name
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.handoff.shards import ShardRecord, write_shards
 from stagesafe.stages.channel import JobChannel, Outcome, failures
 

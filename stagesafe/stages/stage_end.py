@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.manifest import parse_size
-from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_handoff, plan_specs
+from stagesafe.handoff.sizes import parse_size
+from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages import collectives, host_budget, page_lock
 from stagesafe.stages.history import KeptTraining, ModuleHistory
 from stagesafe.stages.host import HostBuffers, HostPool, give_back_freed_memory

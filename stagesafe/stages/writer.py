@@ -40,7 +40,7 @@ import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
 from stagesafe.storage.fs import resolve
-from stagesafe.handoff.manifest import tag_for
+from stagesafe.handoff.names import tag_for
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.commit import Commit, remove_replaced

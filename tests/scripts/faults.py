@@ -165,7 +165,7 @@ def _die_before_the_commit() -> None:
     import signal
 
     from stagesafe.storage import folder
-    from stagesafe.handoff.manifest import MANIFEST_NAME
+    from stagesafe.handoff.names import MANIFEST_NAME
 
     real = folder.write_atomic
 
