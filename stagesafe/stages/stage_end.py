@@ -380,7 +380,7 @@ def _kept_tensors(history: ModuleHistory | None) -> list[torch.Tensor]:
     kept = history.kept if history is not None else None
     if kept is None or kept.checkpoint is None:
         return []
-    tensors = {t.untyped_storage().data_ptr(): t for t in zero_engine._tensors_in(kept.checkpoint) if t.numel()}
+    tensors = {t.untyped_storage().data_ptr(): t for t in zero_engine.tensors_in(kept.checkpoint) if t.numel()}
     return list(tensors.values())
 
 

@@ -14,13 +14,13 @@ Callers use the names below, from this package.
 """
 
 from stagesafe.zero.engine.checkpoint_state import (
-    _tensors_in,  # noqa: F401  (private: tests reach it through the package)
-    _to_host,  # noqa: F401  (private: tests reach it through the package)
     checkpoint_device_specs,
     LaterCopies,
     checkpoint_files,
     checkpoint_files_later,
     foreseen_state_specs,
+    tensors_in,
+    to_host,
 )
 from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
 from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer
@@ -65,6 +65,8 @@ __all__ = [
     "LaterCopies",
     "checkpoint_device_specs",
     "foreseen_state_specs",
+    "tensors_in",
+    "to_host",
     "PartitionRecipe",
     "built_partitions",
 ]
