@@ -15,20 +15,20 @@ whose rounding defines the result; :func:`load_zero_checkpoint` returns tensors,
 from __future__ import annotations
 
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
-from stagesafe.handoff.commit import commit
-from stagesafe.storage.folder import Folder
+from stagesafe.handoff.commit import remove_replaced
 from stagesafe.storage.fs import list_files, resolve, url_of
 from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
-from stagesafe.handoff.read import committed_shards, read_manifest
-from stagesafe.handoff.shards import Pieces, write_shards
+from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.handoff.read import read_manifest
+from stagesafe.handoff.shards import Pieces
 from stagesafe.progress import bytes_bar
 from stagesafe.errors import CheckpointFormatError, HandoffExistsError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.flags import checked_flag, checked_optional_flag
@@ -99,17 +99,16 @@ def consolidate(
         bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
         if bar is not None:
             plan.state_dict.on_read = bar.update
+        metadata = _metadata(ckpt, out_dtype, exclude_frozen)
         try:
-            records = write_shards(fs, root, plan, workers=workers, remove_root=created)
+            done = write_and_commit(
+                fs, root, plan, metadata=metadata, workers=workers, remove_root=created, empty_before=not taken
+            )
         finally:
             if bar is not None:
                 bar.close()
-        try:
-            return commit(fs, root, plan, records, metadata=_metadata(ckpt, out_dtype, exclude_frozen))
-        except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
-            if not taken and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
-                Folder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
-            raise  # else the shards are an interrupted save's, which the next save cleans up
+        remove_replaced(fs, root, done)
+        return done.manifest
 
 
 def load_zero_checkpoint(
@@ -283,15 +282,6 @@ def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str])
     return plan_specs(
         specs, ckpt.aliases, max_shard_size=limit, taken=taken, state_dict=_LazyStateDict(ckpt, out), sizes=sizes
     )
-
-
-def _committed_here(fs: Any, root: str, files: Iterable[str]) -> bool:
-    """Whether the manifest in ``root`` names any of ``files``: a commit that failed may still have landed. When
-    the store cannot say, it did, so that nothing is removed."""
-    try:
-        return bool(committed_shards(Folder(fs, root)) & set(files))
-    except Exception:  # noqa: BLE001 - the store is failing
-        return True
 
 
 def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:

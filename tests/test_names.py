@@ -7,7 +7,14 @@ from _pure import PURE, imports_of
 
 import stagesafe.handoff.names
 from stagesafe.errors import InvalidArgumentError
-from stagesafe.handoff.names import is_shard_name, is_temp_name, scratch_name, shard_file_names, tag_for
+from stagesafe.handoff.names import (
+    is_commit_of,
+    is_shard_name,
+    is_temp_name,
+    scratch_name,
+    shard_file_names,
+    tag_for,
+)
 from stagesafe.storage.temp_names import temp_name
 
 
@@ -55,3 +62,12 @@ def test_name_patterns():
     assert not is_temp_name("notes.txt.tmp-deadbeef")  # not ours: left alone
     assert is_temp_name(scratch_name()) and is_temp_name(scratch_name("0123abcd"))  # a probe the cleanup removes
     assert scratch_name("0123abcd") != scratch_name("4567cdef") and not is_shard_name(scratch_name())
+
+
+def test_a_handoff_says_whether_it_is_the_commit_of_a_write():
+    key = "stagesafe/ab12/write-3"
+    ours = shard_file_names(2, tag=tag_for(key))
+    assert is_commit_of(ours, key)
+    assert not is_commit_of(ours, "stagesafe/ab12/write-4")  # a later write's commit is another one
+    assert not is_commit_of(shard_file_names(2), key) and not is_commit_of([], key)
+    assert not is_commit_of(["model-00001-of-00001.safetensors"], key)  # an older handoff's plain names

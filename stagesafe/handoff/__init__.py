@@ -7,10 +7,13 @@ all read and write handoffs through these modules, one job each:
   :mod:`~stagesafe.handoff.sizes` (``max_shard_size``), :mod:`~stagesafe.handoff.index` (Hugging Face's
   index), :mod:`~stagesafe.handoff.manifest` (the commit's record, built and validated),
   :mod:`~stagesafe.handoff.codec` (the safetensors header), :mod:`~stagesafe.handoff.digest` (the shards' hashes).
-- :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path.
+- :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path;
+  :mod:`~stagesafe.handoff.tensor_plan`: a state dict's plan.
 - :mod:`~stagesafe.handoff.shards`: writing shard files, the one parallel shard writer.
 - :mod:`~stagesafe.handoff.commit`: publishing written shards (manifest, then index), deleting what it replaced.
-- :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``, the steps composed.
+- :mod:`~stagesafe.handoff.protocol`: the one commit protocol, plan -> shards -> commit, for one process or several
+  ranks (their shard records exchanged by a transport the caller gives).
+- :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``.
 - :mod:`~stagesafe.handoff.read`: ``read_manifest``, ``load_state_dict``, ``HandoffReader``, ``check_present``.
 - :mod:`~stagesafe.handoff.verify`: ``verify``, every shard re-hashed, the index checked.
 - :mod:`~stagesafe.handoff.cleanup`: leftovers of failed writers, and what must never be deleted.

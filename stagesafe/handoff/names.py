@@ -18,6 +18,7 @@ from stagesafe.storage.temp_names import TEMP_SUFFIX, temp_name
 __all__ = [
     "INDEX_NAME",
     "MANIFEST_NAME",
+    "is_commit_of",
     "is_shard_name",
     "is_temp_name",
     "scratch_name",
@@ -61,6 +62,13 @@ def shard_file_names(n: int, *, tag: str | None = None, taken: Iterable[str] = (
 def tag_for(key: str) -> str:
     """The shard-name tag every rank derives alike from a write's ``key``."""
     return hashlib.sha256(key.encode()).hexdigest()[:8]
+
+
+def is_commit_of(shard_files: Iterable[str], key: str) -> bool:
+    """Whether a handoff whose shards are ``shard_files`` is the commit of the write keyed ``key`` (its shards
+    carry that write's tag, :func:`tag_for`): is that write's commit the live one?"""
+    prefix = f"model-{tag_for(key)}-"
+    return any(name.startswith(prefix) for name in shard_files)
 
 
 def is_shard_name(name: str) -> bool:

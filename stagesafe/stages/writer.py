@@ -40,7 +40,7 @@ import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
 from stagesafe.storage.fs import resolve
-from stagesafe.handoff.names import tag_for
+from stagesafe.handoff.names import is_commit_of
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.commit import Commit, remove_replaced
@@ -504,8 +504,7 @@ def _committed_or_not(write: _Write | None) -> str:
         return "it was not committed: the folder holds no handoff"
     except Exception as exc:  # noqa: BLE001 - unreadable: said as such
         return f"whether it was committed could not be read ({describe(exc)}): run stagesafe verify on it"
-    tag = tag_for(write.channel.prefix)
-    if any(name.startswith(f"model-{tag}-") for name in manifest["shards"]):
+    if is_commit_of(manifest["shards"], write.channel.prefix):
         return "it was committed before the interrupt: the handoff holds this write's weights"
     return "it was not committed: the handoff there holds an earlier write's weights, unchanged"
 
