@@ -258,7 +258,7 @@ def disk_write_seconds(nbytes: int, folder: str, writers: int = 1, early_writeba
     is written, as the store does (so the store gets no edge the probe lacks)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from stagesafe.handoff.writeback import start_writeback
+    from stagesafe.storage.writeback import start_writeback
 
     block = memoryview(os.urandom(64 * 2**20))
     share = -(-nbytes // writers)

@@ -167,13 +167,13 @@ def run_stock(args: argparse.Namespace, rows: list) -> dict:
 def kept_bytes(module: nn.Module) -> int:
     """Bytes of what this rank keeps of the last fit's engine (optimizer state, fp32 masters of 16-bit ones)."""
     from stagesafe.stages.history import history_of
-    from stagesafe.zero.engine import _tensors_in
+    from stagesafe.zero.engine import tensors_in
 
     history = history_of(module)
     kept = history.kept if history is not None else None
     if kept is None:
         return 0
-    tensors = [*_tensors_in(kept.checkpoint), *kept.masters.values()]
+    tensors = [*tensors_in(kept.checkpoint), *kept.masters.values()]
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}.values())
 
 

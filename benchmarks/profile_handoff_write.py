@@ -29,10 +29,10 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_boundary import disk_write_seconds  # noqa: E402
 
-from stagesafe.handoff.fs import resolve  # noqa: E402
+from stagesafe.storage.fs import resolve  # noqa: E402
 from stagesafe.handoff.cleanup import live_files  # noqa: E402
 from stagesafe.handoff.commit import Commit, commit_handoff, remove_replaced  # noqa: E402
-from stagesafe.handoff.plan import plan_handoff  # noqa: E402
+from stagesafe.handoff.tensor_plan import plan_handoff  # noqa: E402
 from stagesafe.handoff.shards import write_shards  # noqa: E402
 from stagesafe.stages.channel import JobChannel  # noqa: E402
 from stagesafe.stages.host import HostBuffers  # noqa: E402

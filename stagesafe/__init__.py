@@ -44,7 +44,7 @@ _LAZY = {
     "inspect_checkpoint": "stagesafe.consolidate",
     "load_zero_checkpoint": "stagesafe.consolidate",
     "restore": "stagesafe.restore",
-    "RetryPolicy": "stagesafe.handoff.retry",
+    "RetryPolicy": "stagesafe.storage.retry",
     "load_state_dict": "stagesafe.handoff.read",
     "read_manifest": "stagesafe.handoff.read",
     "save_state_dict": "stagesafe.handoff.save",

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn
 
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["main", "run"]
 
@@ -320,7 +320,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from stagesafe.handoff.fs import join, resolve
+    from stagesafe.storage.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
     from stagesafe.handoff.manifest import digest_of
     from stagesafe.handoff.verify import verify

@@ -16,26 +16,23 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
-from stagesafe.handoff.commit import commit
-from stagesafe.handoff.folder import HandoffFolder
-from stagesafe.handoff.fs import list_files, resolve, url_of
-from stagesafe.handoff.manifest import (
-    DEFAULT_MAX_SHARD_SIZE,
-    INDEX_NAME,
-    MANIFEST_NAME,
-    digest_of,
-    is_shard_name,
-    parse_size,
-)
+from stagesafe.handoff.commit import remove_replaced
+from stagesafe.storage.fs import list_files, resolve, url_of
+from stagesafe.handoff.manifest import digest_of
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
 from stagesafe.handoff.optimizer_state import binding, bound_folder, new_folder, refuse_other_dtype, remove_state
-from stagesafe.handoff.read import committed_manifest, committed_shards, read_manifest
-from stagesafe.handoff.shards import Pieces, write_shards_shown
+from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.handoff.read import committed_manifest, read_manifest
+from stagesafe.handoff.shards import Pieces
+from stagesafe.progress import bytes_bar
+from stagesafe.storage.folder import Folder
 from stagesafe.errors import (
     CheckpointFormatError,
     HandoffCorruptError,
@@ -130,7 +127,7 @@ def consolidate(
             if folder is not None and _bound_state(fs, root, unknown=folder) != folder:  # no weights name it
                 with contextlib.suppress(Exception):  # best effort: the first error is the one to see
                     remove_state(fs, root, folder)
-                    HandoffFolder(fs, root).remove([], empty_root=created)
+                    Folder(fs, root).remove([], empty_root=created)
             raise
 
 
@@ -141,14 +138,18 @@ def _write_weights(
     """The weights' shards, then their commit: see :func:`consolidate`."""
     taken = live_files(fs, root)
     plan = _plan(ckpt, out_dtype, limit, taken=taken)
-    records = write_shards_shown(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress,
-                                 workers=workers, remove_root=created)
+    bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
+    if bar is not None:
+        plan.state_dict.on_read = bar.update
     try:
-        return commit(fs, root, plan, records, metadata=metadata)
-    except BaseException:  # Ctrl+C too: a commit cut short in a folder that held no handoff leaves nothing
-        if not taken and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
-            HandoffFolder(fs, root).remove([*records, INDEX_NAME], empty_root=created)
-        raise  # else the shards are an interrupted save's, which the next save cleans up
+        done = write_and_commit(
+            fs, root, plan, metadata=metadata, workers=workers, remove_root=created, empty_before=not taken
+        )
+    finally:
+        if bar is not None:
+            bar.close()
+    remove_replaced(fs, root, done)
+    return done.manifest
 
 
 def load_zero_checkpoint(
@@ -324,20 +325,11 @@ def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str])
     )
 
 
-def _committed_here(fs: Any, root: str, files: Iterable[str]) -> bool:
-    """Whether the manifest in ``root`` names any of ``files``: a commit that failed may still have landed. When
-    the store cannot say, it did, so that nothing is removed."""
-    try:
-        return bool(committed_shards(HandoffFolder(fs, root)) & set(files))
-    except Exception:  # noqa: BLE001 - the store is failing
-        return True
-
-
 def _bound_state(fs: Any, root: str, *, unknown: str | None = None) -> str | None:
     """The optimizer state folder the committed weights in ``root`` name (None: no weights, or weights only);
     ``unknown`` when the store cannot say (so that nothing is removed on a guess)."""
     try:
-        return bound_folder(committed_manifest(HandoffFolder(fs, root), explain=False))
+        return bound_folder(committed_manifest(Folder(fs, root), explain=False))
     except (HandoffNotFoundError, HandoffCorruptError):
         return None
     except Exception:  # noqa: BLE001 - the store is failing

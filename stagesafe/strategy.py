@@ -31,16 +31,17 @@ from typing_extensions import override
 
 from stagesafe import _registration as registration
 from stagesafe.errors import (
-    DistributedStageError,
     EngineReleasedError,
     HandoffNotReadyError,
     InvalidArgumentError,
     describe,
 )
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, parse_size
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
-from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
-from stagesafe.stages.boundary import BoundaryReport, StageBoundary, StageOptions
+from stagesafe.stages.channel import JobChannel, agree_on_ending
+from stagesafe.stages.collective_guard import CollectiveGuard
+from stagesafe.boundary_report import BoundaryReport
+from stagesafe.stages.boundary import StageBoundary, StageOptions
 from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.trainer_messages import (
     boundary_line,
@@ -61,19 +62,15 @@ from stagesafe.strategy_arguments import (
     checked_url,
     inference_config,
 )
-from stagesafe.stages.between_calls import has_meta_tensors, kept_files, kept_training, weights_between_calls
+from stagesafe.stages.between_calls import has_meta_tensors
+from stagesafe.stages.between_calls_checkpoint import save_between_calls
 from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.ownership import claim_folder
 from stagesafe.stages.writer import HandoffWriter
 from stagesafe.upstream_warnings import quiet_per_step_warnings
 from stagesafe.zero import engine as zero_engine
-from stagesafe.zero.checkpoint_writer import (
-    holds_optimizer_state,
-    is_weights_only,
-    write_engine_checkpoint,
-    write_zero_checkpoint,
-)
+from stagesafe.zero.checkpoint_writer import holds_optimizer_state, is_weights_only
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
@@ -177,8 +174,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
         self._calls = 0
         self._stepped = False  # an optimizer step was made in this call
-        self._last_ending: Ending | None = None  # a call that failed on some rank: meet before the next
-        self._failed_ranks: list[int] | None = None  # its failed ranks: later collectives may find the group broken
+        self._guard = CollectiveGuard()  # how the last calls ended, for the collectives that follow
         self._last_boundary: BoundaryReport | None = None
 
     @property
@@ -382,67 +378,38 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     # -- collectives ------------------------------------------------------------------------------------------
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        self._before_collective()
-        with self._named_if_broken():
+        with self._collective():
             super().barrier(*args, **kwargs)
 
     @override
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        self._before_collective()
-        with self._named_if_broken():
+        with self._collective():
             return super().broadcast(obj, src)
 
     @override
     def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_collective()
-        with self._named_if_broken():
+        with self._collective():
             return super().reduce(*args, **kwargs)
 
     @override
     def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        self._before_collective()
-        with self._named_if_broken():
+        with self._collective():
             return super().all_gather(*args, **kwargs)
 
     @override
     def reduce_boolean_decision(self, *args: Any, **kwargs: Any) -> bool:
-        self._before_collective()
-        with self._named_if_broken():
+        with self._collective():
             return super().reduce_boolean_decision(*args, **kwargs)
 
-    def _before_collective(self) -> None:
-        """No collective while a writer still needs the device (its copies would queue behind it); after a
-        call that some rank left elsewhere, meet the other ranks through the key-value store first, so that a
-        rank still inside that call meets a clear timeout instead of a mismatched collective."""
-        self._wait_for_device_work()
-        ending, self._last_ending = self._last_ending, None
-        if ending is not None and self._writer is not None:
-            channel = self._writer.channel.sub(f"call-{self._calls}/met")
-            try:
-                channel.exchange("here", "", what="the next Trainer call")
-            except DistributedStageError as exc:
-                raise DistributedStageError(
-                    f"{exc}. The last Trainer call failed on rank(s) {list(ending.failed) or '?'} while other "
-                    "ranks were still inside it; they fail once their collective times out, and the job's process "
-                    f"group cannot be used after that. {_RESTART}"
-                ) from None
+    def _collective(self) -> contextlib.AbstractContextManager[None]:
+        """:class:`~stagesafe.stages.collective_guard.CollectiveGuard` around one of Lightning's collectives."""
+        writer = self._writer
+        meeting = (lambda: writer.channel.sub(f"call-{self._calls}/met")) if writer is not None else None
+        return self._guard.around(self._writers(), meeting)
 
     def _wait_for_device_work(self) -> None:
         for writer in self._writers():
             writer.wait_device()
-
-    @contextlib.contextmanager
-    def _named_if_broken(self) -> Generator[None, None, None]:
-        try:
-            yield
-        except RuntimeError as exc:  # torch.distributed's errors, DistBackendError among them
-            if self._failed_ranks is None:
-                raise
-            raise DistributedStageError(
-                f"the job's process group is broken ({type(exc).__name__}: {str(exc)[:300]}): an earlier Trainer "
-                f"call failed on rank(s) {self._failed_ranks}, and a collective timed out since, on some rank. "
-                f"torch.distributed cannot recover in this process. {_RESTART}"
-            ) from exc
 
     def _writers(self) -> list[HandoffWriter]:
         writers = [self._writer] if self._writer is not None else []
@@ -509,30 +476,11 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
                 "see https://lightning.ai/docs/pytorch/stable/advanced/model_parallel.html#"
                 "deepspeed-zero-stage-3-single-file for instructions."
             )
-        client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-        kept, missing = kept_training(module, world_size=self.world_size)
-        if kept is not None:
-            assert kept.checkpoint is not None
-            client["lr_schedulers"] = kept.lr_schedulers
-            write_engine_checkpoint(
-                os.fspath(filepath), kept_files(kept, module), client_state=client, latest=self.is_global_zero
-            )
-            self.barrier("stagesafe: checkpoint written")
-            return
-        if "lr_schedulers" in client:  # weights only, as the warning says: schedulers start afresh with the optimizer
-            client["lr_schedulers"] = []
-        if checkpoint.get("loops") is not None:  # a training checkpoint (weights-only ones have no loops)
-            rank_zero_warn(
-                f"trainer.save_checkpoint({os.fspath(filepath)!r}) between Trainer calls writes the weights but no "
-                f"optimizer state, lr scheduler or loss scaler: {missing}. A later fit(ckpt_path=...) starts the "
-                "optimizer afresh from these weights."
-            )
-        if self.is_global_zero:
-            values = weights_between_calls(module, self._writers())
-            write_zero_checkpoint(
-                os.fspath(filepath), module, values=values, zero_stage=self._zero_stage, client_state=client,
-                exclude_frozen=self.exclude_frozen_parameters,
-            )
+        save_between_calls(
+            module, checkpoint, os.fspath(filepath), world_size=self.world_size, rank_zero=self.is_global_zero,
+            zero_stage=self._zero_stage, exclude_frozen=self.exclude_frozen_parameters, writers=self._writers(),
+            barrier=self.barrier, warn=rank_zero_warn,
+        )
 
     @property
     def _zero_stage(self) -> int:
@@ -613,8 +561,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         assert self._writer is not None
         grace = min(_FAILURE_GRACE, self._writer.timeout)
         ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=grace)
-        if ending.failed or ending.broken:  # the next call meets first; its collectives may find the group broken
-            self._last_ending, self._failed_ranks = ending, list(ending.failed or ending.absent)
+        self._guard.call_ended(ending)  # after a failure the next call meets first; its group may be broken
         # A fit that made no step (max_epochs already reached) trained nothing; one given a ckpt_path may have
         # loaded new weights into the engine (DeepSpeed's own load) even so.
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -717,12 +664,6 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
         registration.register(strategy_registry, cls)
-
-_RESTART = (
-    "Restart the job; it continues from the last committed handoff with "
-    "StageSafeDeepSpeedStrategy(resume_from=<the handoff's URL>)"
-)
-
 
 class _StageReturned(Callback):
     """The Trainer's last hook of a call (after the strategy's teardown): the call is returning."""

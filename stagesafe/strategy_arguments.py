@@ -12,8 +12,8 @@ from typing import Any, Optional
 
 from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError, shown
 from stagesafe.flags import checked_flag as checked_bool  # the strategy's flags: one check for the whole API
-from stagesafe.handoff.fs import check_not_a_file, is_local, resolve
-from stagesafe.handoff.manifest import MANIFEST_NAME
+from stagesafe.storage.fs import check_not_a_file, is_local, resolve
+from stagesafe.handoff.names import MANIFEST_NAME
 
 __all__ = [
     "BETWEEN_STAGES",

@@ -4,17 +4,17 @@ that has nothing left to train."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import describe
+from stagesafe.handoff.commit import Commit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from stagesafe.stages.boundary import BoundaryReport
 
 __all__ = [
     "boundary_line", "megabytes", "say_committed", "say_optimizer_resumed", "say_unchanged", "say_versioned",
@@ -22,7 +22,7 @@ __all__ = [
 ]
 
 
-def say_committed(uri: str, commit: Any, seconds: float) -> None:
+def say_committed(uri: str, commit: Commit, seconds: float) -> None:
     """Rank 0's line, at Lightning's default level, once a background write has committed. Its size is the
     tensors' bytes (the index's ``total_size``), as the boundary line and ``last_boundary.handoff_bytes`` say."""
     size = commit.manifest["total_size"]
@@ -51,7 +51,7 @@ def say_optimizer_resumed(uri: str, resumed: bool) -> None:
         )
 
 
-def boundary_line(report: "BoundaryReport", *, waited: bool, failed: tuple[str, BaseException] | None = None) -> str:
+def boundary_line(report: BoundaryReport, *, waited: bool, failed: tuple[str, BaseException] | None = None) -> str:
     """One line for a stage's boundary: how long it took, and whether the handoff was written. ``failed``: the
     URL and error of a write that failed and that no commit since has made good: the line says so."""
     if failed is not None:

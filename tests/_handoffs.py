@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from stagesafe.handoff.digest import DEFAULT
-from stagesafe.handoff.fs import list_files, resolve
+from stagesafe.storage.fs import list_files, resolve
 from stagesafe.handoff.save import save_state_dict
 
 INDEX, MANIFEST = "model.safetensors.index.json", "stagesafe.json"

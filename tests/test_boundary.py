@@ -332,7 +332,7 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
     thread copies it after the engine is gone, and it is then DeepSpeed's checkpoint as it was. Its fp32 master
     partitions are kept as recipes, built again from the module's values; on the CPU its moments are the engine's
     own tensors, which nothing writes once it is gone: not held twice."""
-    from stagesafe.zero.engine import PartitionRecipe, _tensors_in, built_partitions, checkpoint_files
+    from stagesafe.zero.engine import PartitionRecipe, built_partitions, checkpoint_files, tensors_in
 
     module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
     writer, uri = _writer(), str(tmp_path / "h")
@@ -341,7 +341,7 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
     engine = _engine(module)
     boundary.engine_built(engine, training=True)
     expected = checkpoint_files(engine, exclude_frozen=False)  # the fp32 partitions as tensors
-    engine_memory = {t.data_ptr() for t in _tensors_in(engine.optimizer.state_dict())}
+    engine_memory = {t.data_ptr() for t in tensors_in(engine.optimizer.state_dict())}
     report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=True)
     writer.join()
     assert "kept_state_copy" in report.phases and "kept_host_memory_ready" not in report.phases
@@ -352,11 +352,11 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
     assert recipes and all(isinstance(r, PartitionRecipe) for r in recipes)
     built = built_partitions(kept.checkpoint, {n: t.detach() for n, t in module.state_dict().items()})
     for name, state in expected.items():
-        got, want = list(_tensors_in(built[name])), list(_tensors_in(state))
+        got, want = list(tensors_in(built[name])), list(tensors_in(state))
         assert len(got) == len(want) > 0
         for a, b in zip(got, want):
             assert_bitwise_equal({"t": a}, {"t": b})
-        held = [t for t in _tensors_in(kept.checkpoint[name]) if t.numel() > 1]
+        held = [t for t in tensors_in(kept.checkpoint[name]) if t.numel() > 1]
         assert all(t.device.type == "cpu" and t.data_ptr() in engine_memory for t in held)  # the engine's own
 
 

@@ -11,7 +11,7 @@ import re
 import pytest
 
 from stagesafe.errors import CheckpointFormatError
-from stagesafe.handoff.fs import resolve
+from stagesafe.storage.fs import resolve
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.zero.checkpoint_folder import RankFileNames, TagFolder, locate, rank_file_names
 

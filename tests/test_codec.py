@@ -9,9 +9,15 @@ import struct
 import pytest
 import safetensors.torch
 import torch
+from _pure import PURE, imports_of
 
+import stagesafe.handoff.codec
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 from stagesafe.handoff.codec import MAX_HEADER, check_tensor, encode_header, header_length, parse_header
+
+
+def test_it_imports_neither_torch_nor_fsspec():
+    assert imports_of(stagesafe.handoff.codec) <= PURE
 
 
 def blob(header: object = None, data: bytes = b"", *, raw: bytes | None = None, length: int | None = None) -> bytes:

@@ -14,8 +14,8 @@ from _tensors import assert_bitwise_equal
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.commit import commit, commit_handoff, remove_replaced
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
-from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.plan import plan_handoff
+from stagesafe.storage.fs import resolve
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.handoff.read import load_state_dict, read_manifest
 from stagesafe.handoff.save import save_state_dict
 from stagesafe.handoff.shards import write_shard

@@ -14,7 +14,7 @@ import pytest
 import xxhash
 
 import stagesafe.handoff.digest
-import stagesafe.handoff.workers
+import stagesafe.storage.workers
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.digest import (
     DEFAULT,
@@ -50,8 +50,8 @@ def test_module_imports_neither_torch_nor_fsspec():
         "typing",
         "xxhash",  # imported when an xxh3-128-tree hasher is made
     }
-    assert {m for m in imported if m.startswith("stagesafe")} == {"stagesafe.errors", "stagesafe.handoff.workers"}
-    pool = ast.parse(pathlib.Path(stagesafe.handoff.workers.__file__).read_text())  # its thread pool: stdlib only
+    assert {m for m in imported if m.startswith("stagesafe")} == {"stagesafe.errors", "stagesafe.storage.workers"}
+    pool = ast.parse(pathlib.Path(stagesafe.storage.workers.__file__).read_text())  # its thread pool: stdlib only
     pool_imports = {a.name for n in ast.walk(pool) if isinstance(n, ast.Import) for a in n.names}
     pool_imports |= {n.module for n in ast.walk(pool) if isinstance(n, ast.ImportFrom) and n.module}
     assert {m.split(".")[0] for m in pool_imports} <= {"__future__", "collections", "concurrent", "queue",

@@ -293,14 +293,14 @@ def test_checkpoint_files_are_those_deepspeed_saves_copied_off_the_engine(build,
     masters = {n: deepspeed.utils.safe_get_full_fp32_param(p).detach().cpu() for n, p in model.named_parameters()
                if p.requires_grad}  # what the module holds after a stage's end
     built = zero_engine.built_partitions(files, masters)
-    engine_tensors = {t.data_ptr() for t in zero_engine._tensors_in(engine.optimizer.state_dict())}
+    engine_tensors = {t.data_ptr() for t in zero_engine.tensors_in(engine.optimizer.state_dict())}
     for name, kept in built.items():
         saved = torch.load(tmp_path / "saved" / name, map_location="cpu", weights_only=False)
         assert sorted(saved) == sorted(kept), name
-        ours, theirs = list(zero_engine._tensors_in(kept)), list(zero_engine._tensors_in(saved))
+        ours, theirs = list(zero_engine.tensors_in(kept)), list(zero_engine.tensors_in(saved))
         assert len(ours) == len(theirs) > 0, name
         assert_bitwise_equal(dict(enumerate(ours)), dict(enumerate(theirs)))
-        held = {t.data_ptr() for t in zero_engine._tensors_in(files[name])}
+        held = {t.data_ptr() for t in zero_engine.tensors_in(files[name])}
         if engine.device.type == "cuda":
             assert not held & engine_tensors, name  # copies of their own, off the device
         elif name == optim:  # on the CPU the engine's own moments, which nothing writes once it is gone
@@ -312,7 +312,7 @@ def test_host_copies_are_private_and_keep_the_containers():
     state = {"optimizer_state_dict": OrderedDict(state={0: {"exp_avg": weight}}, groups=[weight, (weight, 3)]),
              "loss_scaler": object(), "step": 7}
     copies: list = []
-    host = zero_engine._to_host(state, copies)
+    host = zero_engine.to_host(state, copies)
     assert type(host["optimizer_state_dict"]) is OrderedDict
     copied = host["optimizer_state_dict"]["state"][0]["exp_avg"]
     weight.add_(1)  # the engine's tensor changes: the kept copy does not

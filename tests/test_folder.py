@@ -9,26 +9,26 @@ import pytest
 from _handoffs import files
 
 from stagesafe.errors import StorageTransferError
-from stagesafe.handoff.folder import HandoffFolder, each
-from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.folder import Folder, each
+from stagesafe.storage.fs import resolve
+from stagesafe.storage.retry import RetryPolicy
 
 
 def test_check_writable_fails_early_and_leaves_nothing(tmp_path):
-    from stagesafe.handoff.folder import check_writable
+    from stagesafe.storage.folder import check_writable
 
     url = str(tmp_path / "handoff")
-    check_writable(url)
+    check_writable(url, "probe.tmp-0")
     assert files(url) == set()  # the probe file is gone
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(StorageTransferError, match="a_file"):
-        check_writable(str(blocker / "handoff"))
+        check_writable(str(blocker / "handoff"), "probe.tmp-0")
 
 
 def test_remove_deletes_the_files_named_and_an_emptied_folder_only_when_asked(tmp_path, caplog):
     fs, root = resolve(str(tmp_path / "h"))
-    folder = HandoffFolder(fs, root)
+    folder = Folder(fs, root)
     fs.makedirs(root)
     for name in ("a", "b", "c", "keep"):
         fs.pipe_file(folder.path(name), name.encode())
@@ -41,7 +41,7 @@ def test_remove_deletes_the_files_named_and_an_emptied_folder_only_when_asked(tm
 
 
 def test_transfer_names_a_refusal_and_says_what_to_do(tmp_path):
-    folder = HandoffFolder.at(str(tmp_path / "h"), retry=RetryPolicy(attempts=1))
+    folder = Folder.at(str(tmp_path / "h"), retry=RetryPolicy(attempts=1))
     assert folder.url == str(tmp_path / "h") and folder.path("x") == f"{tmp_path}/h/x"
 
     def denied():

@@ -1,4 +1,4 @@
-"""handoff/fs.py: URLs resolved to a filesystem and a path (local, ``file://``, ``memory://``, ``s3://`` resolved
+"""storage/fs.py: URLs resolved to a filesystem and a path (local, ``file://``, ``memory://``, ``s3://`` resolved
 without a request), joined with ``/``, named for messages; the backend a URL needs, named with how to install it;
 listings that another writer cannot make stale; atomic publication on a local disk, ``memory://`` and S3 (moto's
 server on loopback, tests/_s3.py).
@@ -20,7 +20,7 @@ from fsspec.implementations.local import LocalFileSystem
 from fsspec.implementations.memory import MemoryFileSystem
 
 from stagesafe.errors import InvalidArgumentError, StorageBackendError
-from stagesafe.handoff.fs import (
+from stagesafe.storage.fs import (
     basename,
     bucket_of,
     fsync_dir,

@@ -1,156 +1,29 @@
-"""The handoff format's pure rules, on plain data: sizes, shard plans, names, index, manifest."""
+"""handoff/manifest.py, on plain data: the manifest built, checksummed and validated, the metadata checked."""
 
 from __future__ import annotations
 
-import ast
 import copy
 import hashlib
-import pathlib
 
 import pytest
+from _pure import PURE, imports_of
 
-import stagesafe.handoff.codec
 import stagesafe.handoff.manifest
 from stagesafe.handoff.digest import DEFAULT, NAMES, hash_buffer
 from stagesafe.handoff.manifest import (
     FORMAT,
-    build_index,
     build_manifest,
     check_metadata,
     digest_of,
-    is_shard_name,
-    is_temp_name,
     manifest_checksum,
-    parse_size,
-    plan_shards,
     shard_digest,
-    shard_file_names,
-    tag_for,
-    temp_name,
     validate_manifest,
 )
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 
 
-@pytest.mark.parametrize("module", [stagesafe.handoff.manifest, stagesafe.handoff.codec], ids=["manifest", "codec"])
-def test_pure_module_imports_neither_torch_nor_fsspec(module):
-    # Read the source rather than sys.modules: the package's __init__ may import torch for its own reasons.
-    tree = ast.parse(pathlib.Path(module.__file__).read_text())
-    imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
-    imported |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert {m.split(".")[0] for m in imported} <= {
-        "__future__",
-        "collections",
-        "dataclasses",
-        "decimal",
-        "hashlib",
-        "json",
-        "math",
-        "re",
-        "secrets",
-        "typing",
-        "stagesafe",
-    }
-    assert {m for m in imported if m.startswith("stagesafe")} <= {
-        "stagesafe.errors",
-        "stagesafe.handoff.codec",
-        "stagesafe.handoff.digest",  # pure as well: tests/test_digest.py
-    }
-
-
-@pytest.mark.parametrize(
-    ("value", "expected"),
-    [
-        (1, 1),
-        (123456, 123456),
-        ("100", 100),
-        ("100B", 100),
-        ("5KB", 5_000),
-        ("500MB", 500_000_000),
-        ("5GB", 5_000_000_000),
-        ("2TB", 2_000_000_000_000),
-        ("5gb", 5_000_000_000),
-        (" 5 GB ", 5_000_000_000),
-        ("10KiB", 10_240),
-        ("3MiB", 3 * 1024**2),
-        ("1.5GiB", 1_610_612_736),
-        ("0.5KB", 500),
-        ("1.1TB", 1_100_000_000_000),
-    ],
-)
-def test_parse_size(value, expected):
-    assert parse_size(value) == expected
-
-
-@pytest.mark.parametrize("value", ["5XB", "", "GB", "-1GB", "1.2.3GB", "1e9", "0", 0, -5, True, 1.5, None, "0.1B"])
-def test_parse_size_refuses_with_the_value_named(value):
-    with pytest.raises(InvalidArgumentError, match="max_shard_size") as info:
-        parse_size(value)
-    assert repr(value) in str(info.value)
-    assert isinstance(info.value, ValueError)
-
-
-def test_plan_shards_greedy_in_order_like_huggingface():
-    entries = [("a", 10), ("b", 10), ("c", 10), ("d", 25), ("e", 5), ("f", 5)]
-    assert plan_shards(entries, 20) == [["a", "b"], ["c"], ["d"], ["e", "f"]]
-
-
-def test_plan_shards_exact_fit_and_oversized_tensor_alone():
-    assert plan_shards([("a", 10), ("b", 10)], 20) == [["a", "b"]]
-    assert plan_shards([("a", 1), ("big", 100), ("c", 1)], 10) == [["a"], ["big"], ["c"]]
-    assert plan_shards([("big", 100)], 10) == [["big"]]
-
-
-def test_plan_shards_zero_size_and_empty():
-    assert plan_shards([("a", 10), ("empty", 0), ("b", 0)], 10) == [["a", "empty", "b"]]
-    assert plan_shards([], 10) == []
-    with pytest.raises(InvalidArgumentError):
-        plan_shards([("a", 1)], 0)
-
-
-def test_shard_file_names_are_huggingface_names_with_a_tag_of_their_own_commit():
-    names = shard_file_names(3)
-    tag = names[0].split("-")[1]
-    assert len(tag) == 8 and int(tag, 16) >= 0
-    assert names == [f"model-{tag}-{i:05d}-of-00003.safetensors" for i in (1, 2, 3)]
-    assert all(is_shard_name(n) for n in names)
-    assert shard_file_names(0) == []
-    # Every commit draws a tag of its own, avoiding the names it is told are taken; ranks given one tag agree.
-    assert shard_file_names(3, taken=set(names))[0] != names[0]
-    assert shard_file_names(2, tag="0badcafe") == ["model-0badcafe-00001-of-00002.safetensors",
-                                                   "model-0badcafe-00002-of-00002.safetensors"]
-    # Older handoffs' plain names still read.
-    assert is_shard_name("model-00001-of-00002.safetensors")
-
-
-def test_every_rank_derives_the_same_tag_from_a_writes_key():
-    assert tag_for("stagesafe/ab12/write-1") == tag_for("stagesafe/ab12/write-1") != tag_for("stagesafe/ab12/write-2")
-    assert len(tag_for("x")) == 8 and int(tag_for("x"), 16) >= 0
-
-
-def test_shard_file_names_refuse_bad_or_taken_tag():
-    taken = {"model-00001-of-00001.safetensors", "model-0badcafe-00001-of-00001.safetensors"}
-    with pytest.raises(InvalidArgumentError, match="0badcafe"):
-        shard_file_names(1, taken=taken, tag="0badcafe")
-    with pytest.raises(InvalidArgumentError, match="'XYZ'"):
-        shard_file_names(1, taken=taken, tag="XYZ")
-
-
-def test_name_patterns():
-    assert is_shard_name("model-00001-of-00003.safetensors")
-    assert is_shard_name("model-deadbeef-00001-of-00003.safetensors")
-    assert not is_shard_name("model.safetensors")
-    assert not is_shard_name("../model-00001-of-00003.safetensors")
-    assert not is_shard_name("model-00001-of-00003.safetensors.tmp-1234abcd")
-    assert is_temp_name(temp_name("model-00001-of-00003.safetensors"))
-    assert is_temp_name("stagesafe.json.tmp-deadbeef")
-    assert is_temp_name("model.safetensors.index.json.tmp-0")
-    assert not is_temp_name("notes.txt.tmp-deadbeef")  # not ours: left alone
-
-
-def test_build_index_is_huggingface_layout():
-    index = build_index({"a": "model-00001-of-00001.safetensors"}, 40)
-    assert index == {"metadata": {"total_size": 40}, "weight_map": {"a": "model-00001-of-00001.safetensors"}}
+def test_it_imports_neither_torch_nor_fsspec():
+    assert imports_of(stagesafe.handoff.manifest) <= PURE
 
 
 def test_check_metadata_copies_plain_json():

@@ -1,17 +1,60 @@
-"""The plan of a handoff: shards filled up to the limit, tied weights stored once, entries a handoff cannot
-store refused before anything is written, and the same plan whichever path makes it."""
+"""handoff/plan.py: shards filled up to the limit, in order, from plain data (no torch), and the same plan
+whichever path makes it."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _handoffs import files, url
+from _handoffs import url
+from _pure import PURE, imports_of
 from _tensors import assert_bitwise_equal
 
+import stagesafe.handoff.plan
 from stagesafe.errors import InvalidArgumentError
-from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.plan import dtype_name, plan_shards, plan_specs, supported_dtype
 from stagesafe.handoff.read import load_state_dict
 from stagesafe.handoff.save import save_state_dict
+
+
+def test_it_imports_neither_torch_nor_fsspec():
+    assert imports_of(stagesafe.handoff.plan) <= PURE
+
+
+def test_plan_shards_greedy_in_order_like_huggingface():
+    entries = [("a", 10), ("b", 10), ("c", 10), ("d", 25), ("e", 5), ("f", 5)]
+    assert plan_shards(entries, 20) == [["a", "b"], ["c"], ["d"], ["e", "f"]]
+
+
+def test_plan_shards_exact_fit_and_oversized_tensor_alone():
+    assert plan_shards([("a", 10), ("b", 10)], 20) == [["a", "b"]]
+    assert plan_shards([("a", 1), ("big", 100), ("c", 1)], 10) == [["a"], ["big"], ["c"]]
+    assert plan_shards([("big", 100)], 10) == [["big"]]
+
+
+def test_plan_shards_zero_size_and_empty():
+    assert plan_shards([("a", 10), ("empty", 0), ("b", 0)], 10) == [["a", "empty", "b"]]
+    assert plan_shards([], 10) == []
+    with pytest.raises(InvalidArgumentError):
+        plan_shards([("a", 1)], 0)
+
+
+def test_a_plan_from_dtypes_and_shapes_alone_knows_each_shards_bytes():
+    specs = {"a": {"dtype": "bfloat16", "shape": [3, 4]}, "b": {"dtype": "float32", "shape": [5]},
+             "t": {"dtype": "bfloat16", "shape": [3, 4]}, "c": {"dtype": "float8_e4m3fn", "shape": [7]}}
+    plan = plan_specs(specs, {"t": "a"}, max_shard_size=30, tag="0badcafe")
+    assert list(plan.shards.values()) == [["a"], ["b", "c"]]  # 24 bytes, then 20 + 7: "t" is stored as "a"
+    assert [plan.shard_nbytes(f) for f in plan.shards] == [24, 27] and plan.total_size == 51
+    assert list(plan.shards) == ["model-0badcafe-00001-of-00002.safetensors", "model-0badcafe-00002-of-00002.safetensors"]
+    first, second = plan.shards
+    assert plan.weight_map == {"a": first, "b": second, "c": second}
+    assert list(plan.tensors) == ["a", "b", "t", "c"] and plan.aliases == {"t": "a"}
+
+
+def test_a_dtype_safetensors_cannot_store_is_refused_when_planned():
+    assert supported_dtype("bfloat16") and not supported_dtype("complex128")
+    assert dtype_name(torch.bfloat16) == dtype_name("bfloat16") == "bfloat16"
+    with pytest.raises(InvalidArgumentError, match="complex128"):
+        plan_specs({"w": {"dtype": "complex128", "shape": [2]}}, {}, max_shard_size=10)
 
 
 def test_a_tensor_over_the_limit_gets_its_own_shard(url):
@@ -28,57 +71,6 @@ def _by_shard(manifest):
     return out
 
 
-def test_tied_weights_are_stored_once_and_come_back_as_one_object(url):
-    model = torch.nn.Sequential(torch.nn.Embedding(11, 4), torch.nn.Linear(4, 11, bias=False))
-    model[1].weight = model[0].weight  # tied, as lm_head and the embedding of a language model
-    sd = model.state_dict()  # .detach() gives distinct objects over the same memory
-    assert sd["1.weight"] is not sd["0.weight"]
-    manifest = save_state_dict(sd, url)
-    assert manifest["aliases"] == {"1.weight": "0.weight"}
-    assert list(manifest["weight_map"]) == ["0.weight"]
-    assert manifest["total_size"] == 11 * 4 * 4
-    loaded = load_state_dict(url)
-    assert list(loaded) == ["0.weight", "1.weight"]
-    assert loaded["1.weight"] is loaded["0.weight"]
-    assert torch.equal(loaded["0.weight"], model[0].weight.detach())
-
-
-def test_views_same_exactly_are_aliases_overlapping_ones_copies(url):
-    base = torch.arange(12, dtype=torch.float32)
-    sd = {
-        "base": base,
-        "head": base[0:6],  # overlaps base and mid: written as its own copy
-        "mid": base[4:10],
-        "head_again": base[0:6],  # the very same view as head: an alias
-        "evens": base[::2],  # non-contiguous view
-        "as_int": base.view(torch.int32),  # same bytes, another dtype: not an alias
-    }
-    manifest = save_state_dict(sd, url)
-    assert manifest["aliases"] == {"head_again": "head"}
-    loaded = load_state_dict(url)
-    for name, want in sd.items():
-        assert torch.equal(loaded[name], want), name
-    assert loaded["head_again"] is loaded["head"]
-    loaded["head"][0] = 100.0  # independent storage after loading
-    assert loaded["base"][0] == 0.0 and loaded["mid"][0] == 4.0
-
-
-@pytest.mark.parametrize(
-    ("sd", "pattern"),
-    [
-        ({"w": [1.0, 2.0]}, r"state_dict\['w'\] is a list, not a torch.Tensor"),
-        ({"w": torch.empty(3, device="meta")}, "meta device"),
-        ({"w": torch.zeros(2, dtype=torch.complex128)}, "complex128"),
-        ({"w": torch.zeros(3, 3).to_sparse()}, "to_dense"),
-        ({3: torch.zeros(1)}, "key 3 must be a non-empty str"),
-    ],
-)
-def test_state_dict_entries_that_cannot_be_stored(url, sd, pattern):
-    with pytest.raises(InvalidArgumentError, match=pattern):
-        save_state_dict(sd, url)
-    assert files(url) == set()
-
-
 def _layout(shards, tensors, aliases, total_size):
     """A plan or a manifest, its shard names left out (each write tags its own): the names stored in each
     shard, in order, and the tensors, aliases and size recorded."""
@@ -91,7 +83,7 @@ def test_every_path_plans_the_same_shards_for_the_same_tensors(tmp_path):
     from _hostile import write_zero_checkpoint
 
     from stagesafe.consolidate import consolidate
-    from stagesafe.handoff.manifest import shard_names
+    from stagesafe.handoff.index import shard_names
 
     g = torch.Generator().manual_seed(0)
     params = {"embed.weight": torch.randn(16, 4, generator=g), "layer.weight": torch.randn(8, 16, generator=g),

@@ -9,7 +9,7 @@ from torch import nn
 
 import stagesafe
 from _tensors import assert_bitwise_equal
-from stagesafe.stages.boundary import BoundaryReport
+from stagesafe.boundary_report import BoundaryReport
 from stagesafe.stages.channel import JobChannel
 from stagesafe.stages.history import HandoffTarget, new_history, state_tensors
 from stagesafe.stages.ownership import RUN

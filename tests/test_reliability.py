@@ -29,7 +29,7 @@ from _launch import run_ranks, run_script, sanitized_env
 from torch import nn
 
 from stagesafe import load_state_dict, read_manifest, restore, save_state_dict, verify
-from stagesafe.handoff.fs import list_files, resolve
+from stagesafe.storage.fs import list_files, resolve
 from stagesafe.cli import main as cli_main
 from stagesafe.errors import (
     HandoffCorruptError,
@@ -39,7 +39,7 @@ from stagesafe.errors import (
 )
 from stagesafe.handoff.manifest import manifest_checksum
 from stagesafe.handoff.cleanup import ORPHAN_AGE
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.retry import RetryPolicy
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPTS = os.path.join(HERE, "scripts")

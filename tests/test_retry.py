@@ -10,15 +10,15 @@ import threading
 
 import pytest
 
-import stagesafe.handoff.retry
-from stagesafe.handoff.retry import RetryPolicy, TransferAbandoned, call_with_retries, is_transient
+import stagesafe.storage.retry
+from stagesafe.storage.retry import RetryPolicy, TransferAbandoned, call_with_retries, is_transient
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, StorageTransferError
 
 NO_WAIT = RetryPolicy(attempts=3, initial_delay=0, max_delay=0)
 
 
 def test_pure_module_imports_neither_torch_nor_fsspec_nor_a_storage_client():
-    tree = ast.parse(pathlib.Path(stagesafe.handoff.retry.__file__).read_text())
+    tree = ast.parse(pathlib.Path(stagesafe.storage.retry.__file__).read_text())
     imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     assert imported.isdisjoint({"torch", "fsspec", "botocore", "aiohttp", "s3fs", "requests"})

@@ -1,4 +1,4 @@
-"""handoff/safe_files.py: a file a handoff or checkpoint names is opened only if it is a regular file inside its
+"""storage/safe_files.py: a file a handoff or checkpoint names is opened only if it is a regular file inside its
 folder, on a real local disk (links, loops, FIFOs, sockets, files swapped as they are opened) and on ``memory://``;
 sizes come from the opened file, and a file over its limit is refused before it is read.
 
@@ -17,8 +17,8 @@ import pytest
 from _hostile import before_opening, opened_files, outside
 
 from stagesafe.errors import HandoffCorruptError
-from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.safe_files import open_in, read_in, size_of
+from stagesafe.storage.fs import resolve
+from stagesafe.storage.safe_files import open_in, read_in, size_of
 
 pytestmark = pytest.mark.timeout(30)  # a reader that blocks on a FIFO fails instead of hanging
 

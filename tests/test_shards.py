@@ -13,8 +13,9 @@ from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
-from stagesafe.handoff.fs import list_files, resolve
-from stagesafe.handoff.plan import plan_handoff, plan_specs
+from stagesafe.storage.fs import list_files, resolve
+from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.handoff.shards import Pieces, write_shard, write_shards
 
 

@@ -26,7 +26,7 @@ from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import HandoffCorruptError
 from stagesafe.handoff.digest import CHUNK, DEFAULT, LEAF, NAMES
-from stagesafe.handoff.fs import resolve
+from stagesafe.storage.fs import resolve
 from stagesafe.handoff.manifest import digest_of, manifest_checksum
 from stagesafe.handoff.read import load_state_dict
 from stagesafe.handoff.save import save_state_dict

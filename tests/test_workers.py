@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from stagesafe.handoff import digest
-from stagesafe.handoff.workers import Workers
+from stagesafe.storage.workers import Workers
 
 
 def _alive(prefix: str) -> list[threading.Thread]:

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from stagesafe.handoff.fs import resolve, write_atomic
-from stagesafe.handoff.writeback import EVERY, start_writeback
+from stagesafe.storage.fs import resolve, write_atomic
+from stagesafe.storage.writeback import EVERY, start_writeback
 
 _CACHESTAT = 451  # Linux >= 6.5, same number on x86_64 and arm64
 

@@ -3,17 +3,20 @@
 Nothing here knows about Lightning, DeepSpeed or a running job: the strategy, the CLI and the public functions
 all read and write handoffs through these modules, one job each:
 
-- :mod:`~stagesafe.handoff.manifest`: the format's rules, pure (sizes, shard names, index, manifest);
-  :mod:`~stagesafe.handoff.codec`: the safetensors header; :mod:`~stagesafe.handoff.digest`: the shards' hashes.
-- :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path.
+- The format's rules, pure: :mod:`~stagesafe.handoff.names` (which file is what),
+  :mod:`~stagesafe.handoff.sizes` (``max_shard_size``), :mod:`~stagesafe.handoff.index` (Hugging Face's
+  index), :mod:`~stagesafe.handoff.manifest` (the commit's record, built and validated),
+  :mod:`~stagesafe.handoff.codec` (the safetensors header), :mod:`~stagesafe.handoff.digest` (the shards' hashes).
+- :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path;
+  :mod:`~stagesafe.handoff.tensor_plan`: a state dict's plan.
 - :mod:`~stagesafe.handoff.shards`: writing shard files, the one parallel shard writer.
 - :mod:`~stagesafe.handoff.commit`: publishing written shards (manifest, then index), deleting what it replaced.
-- :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``, the steps composed.
+- :mod:`~stagesafe.handoff.protocol`: the one commit protocol, plan -> shards -> commit, for one process or several
+  ranks (their shard records exchanged by a transport the caller gives).
+- :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``.
 - :mod:`~stagesafe.handoff.read`: ``read_manifest``, ``load_state_dict``, ``HandoffReader``, ``check_present``.
 - :mod:`~stagesafe.handoff.verify`: ``verify``, every shard re-hashed, the index checked.
 - :mod:`~stagesafe.handoff.cleanup`: leftovers of failed writers, and what must never be deleted.
-- :mod:`~stagesafe.handoff.folder`: a handoff's folder (file system, path, retry policy) and its storage calls;
-  below it :mod:`~stagesafe.handoff.fs` (fsspec), :mod:`~stagesafe.handoff.retry`,
-  :mod:`~stagesafe.handoff.safe_files` (opening only regular files of the folder) and
-  :mod:`~stagesafe.handoff.workers` (the thread pool).
+
+Every storage call goes through :mod:`stagesafe.storage`, which knows nothing of this format.
 """

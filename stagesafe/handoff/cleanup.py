@@ -17,11 +17,11 @@ from typing import Any
 import fsspec
 
 from stagesafe.errors import HandoffExistsError
-from stagesafe.handoff.folder import HandoffFolder, check_retry
-from stagesafe.handoff.fs import basename, list_files, resolve
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, is_shard_name, is_temp_name
+from stagesafe.storage.folder import Folder, check_retry
+from stagesafe.storage.fs import basename, list_files, resolve
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name, is_temp_name
 from stagesafe.handoff.read import committed_shards
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.retry import RetryPolicy
 
 __all__ = ["ORPHAN_AGE", "delete_shards", "live_files", "refuse_existing_handoff", "remove_orphans", "remove_stale"]
 
@@ -36,12 +36,12 @@ def remove_stale(uri: str, *, storage_options: dict[str, Any] | None = None, old
     Best effort: a failure is logged, never raised."""
     try:
         fs, root = resolve(uri, storage_options)
-        remove_orphans(HandoffFolder(fs, root), older_than=older_than)
+        remove_orphans(Folder(fs, root), older_than=older_than)
     except Exception as exc:  # noqa: BLE001 - any storage client's error
         log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", uri, exc)
 
 
-def remove_orphans(folder: HandoffFolder, *, older_than: float | None = None) -> None:
+def remove_orphans(folder: Folder, *, older_than: float | None = None) -> None:
     """Delete shard and temporary files that the committed handoff does not use and that are older than
     ``older_than`` seconds (default :data:`ORPHAN_AGE`): what killed or failed writers left. Younger ones may be
     another writer's commit in progress, and are left for a later save."""
@@ -68,18 +68,18 @@ def remove_orphans(folder: HandoffFolder, *, older_than: float | None = None) ->
 def delete_shards(fs: fsspec.AbstractFileSystem, root: str, names: Iterable[str]) -> None:
     """Delete the shard files ``names`` of a write that failed before its commit (best effort: a file left
     over is deleted by a later save once it is old)."""
-    HandoffFolder(fs, root).remove(names)
+    Folder(fs, root).remove(names)
 
 
 def live_files(fs: fsspec.AbstractFileSystem, root: str, *, retry: RetryPolicy | None = None) -> set[str]:
     """Files the committed handoff at ``root`` uses (none if there is none, or it cannot be read)."""
-    return committed_shards(HandoffFolder(fs, root, check_retry(retry)))
+    return committed_shards(Folder(fs, root, check_retry(retry)))
 
 
 def refuse_existing_handoff(fs: fsspec.AbstractFileSystem, root: str, *, retry: RetryPolicy | None = None) -> None:
     """What ``overwrite=False`` means everywhere: raise :class:`HandoffExistsError` if ``root`` holds a handoff
     or any of a handoff's files (shards, index); other files are no handoff's and are left alone."""
-    folder = HandoffFolder(fs, root, check_retry(retry))
+    folder = Folder(fs, root, check_retry(retry))
     names = folder.transfer(lambda: list_files(fs, root), what=f"list {folder.url!r}")
     present = [n for n in names if n in (MANIFEST_NAME, INDEX_NAME) or is_shard_name(n)]
     if present:

@@ -26,13 +26,16 @@ import safetensors
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import remove_orphans
-from stagesafe.handoff.folder import UNCHANGED, HandoffFolder, check_retry
-from stagesafe.handoff.fs import fsync_dir
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, build_index, build_manifest
+from stagesafe.storage.folder import Folder, check_retry
+from stagesafe.storage.fs import fsync_dir
+from stagesafe.handoff.index import build_index
+from stagesafe.handoff.manifest import build_manifest
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
+from stagesafe.handoff.shards import UNCHANGED
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.optimizer_state import bound_folder, remove_state
-from stagesafe.handoff.read import committed_manifest, committed_or_none
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.handoff.read import committed_manifest, committed_or_none, committed_shards
+from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.shards import ShardRecord
 
 __all__ = ["Commit", "commit", "commit_handoff", "index_follows_the_manifest", "remove_replaced", "write_index"]
@@ -90,7 +93,7 @@ def commit_handoff(
     have reached the store); a later save deletes them once they are old. Until the index is written it names
     the replaced handoff, whose files stay until then.
     """
-    folder = HandoffFolder(fs, root, check_retry(retry))
+    folder = Folder(fs, root, check_retry(retry))
     manifest = _manifest(folder, plan, shard_records, metadata)
     fsync_dir(fs, root)  # the shards' renames are durable before the manifest can name them
     before = committed_or_none(folder)
@@ -123,7 +126,7 @@ def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> N
     left behind once they are older than :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones
     may belong to another writer's commit in progress). Best effort: a failure is logged, never raised, since
     the handoff is committed."""
-    folder = HandoffFolder(fs, root)
+    folder = Folder(fs, root)
     try:
         folder.remove(done.replaced)
         if done.replaced_state is not None:
@@ -133,7 +136,7 @@ def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> N
         log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", folder.url, exc)
 
 
-def write_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
+def write_index(folder: Folder, manifest: Mapping[str, Any]) -> None:
     """Write the Hugging Face index of ``manifest`` (the file loaders other than stagesafe follow)."""
     index = readable_json(build_index(manifest["weight_map"], manifest["total_size"]), sort_keys=True) + "\n"
     folder.transfer(
@@ -145,7 +148,7 @@ def write_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
 
 
 def _manifest(
-    folder: HandoffFolder,
+    folder: Folder,
     plan: HandoffPlan,
     shard_records: Mapping[str, ShardRecord],
     metadata: Mapping[str, Any] | None,
@@ -178,7 +181,7 @@ def _manifest(
     )
 
 
-def index_follows_the_manifest(folder: HandoffFolder) -> None:
+def index_follows_the_manifest(folder: Folder) -> None:
     """Make the index describe the committed manifest, whichever writer committed last.
 
     Each writer writes its index after its manifest; with two writers at once, the last index written may

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from typing import IO, Any, Protocol
 
 from stagesafe.errors import InvalidArgumentError
-from stagesafe.handoff.workers import Workers
+from stagesafe.storage.workers import Workers
 
 __all__ = [
     "BLAKE3",

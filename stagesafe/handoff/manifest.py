@@ -1,167 +1,36 @@
-"""Pure logic of the handoff format: sizes, shard plans, file names, the index and the manifest.
+"""The manifest ``stagesafe.json``, the commit of a handoff: built, checksummed and validated.
 
-No torch and no fsspec here, so that every rule of the format is tested with plain data and the CLI can use
-it without importing torch.
+Pure: no torch and no fsspec, so that every rule of the manifest is tested with plain data and the CLI can
+use it without importing torch. The names of the files are :mod:`~stagesafe.handoff.names`'s; the index is
+:mod:`~stagesafe.handoff.index`'s.
 """
 
 from __future__ import annotations
 
-import math
 import hashlib
 import json
-import re
-import secrets
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from decimal import Decimal
+import math
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, shown
 import stagesafe.handoff.digest as _digest
-from stagesafe.handoff.codec import SAFETENSORS_DTYPES, check_tensor
+from stagesafe.errors import HandoffCorruptError, InvalidArgumentError, shown
+from stagesafe.handoff.codec import check_tensor
+from stagesafe.handoff.names import is_shard_name
 
 __all__ = [
-    "DEFAULT_MAX_SHARD_SIZE",
     "FORMAT",
     "FORMATS",
-    "INDEX_NAME",
-    "MANIFEST_NAME",
-    "SAFETENSORS_DTYPES",
-    "build_index",
     "build_manifest",
     "check_metadata",
     "digest_of",
-    "is_shard_name",
-    "is_temp_name",
-    "parse_size",
-    "plan_shards",
+    "manifest_checksum",
     "shard_digest",
-    "shard_file_names",
-    "shard_names",
-    "tag_for",
-    "temp_name",
     "validate_manifest",
 ]
 
 FORMAT = "stagesafe/2"  # names its shards' digest ("digest"); written unless that digest is sha256
 FORMATS = ("stagesafe/1", FORMAT)  # stagesafe/1: sha256, what every handoff recorded before; still read
-DEFAULT_MAX_SHARD_SIZE = "1GB"  # one default for the strategy, save_state_dict and the CLI
-INDEX_NAME = "model.safetensors.index.json"  # the name Hugging Face loaders look for
-MANIFEST_NAME = "stagesafe.json"  # written last: its presence and content define the committed handoff
-
-_SHARD_RE = re.compile(r"model-(?:[0-9a-f]{8}-)?\d{5,12}-of-\d{5,12}\.safetensors")  # 12: a name a disk can hold
-# Only temporary files of our own names, so that a user's unrelated `x.tmp-1` in the folder is left alone.
-_TEMP_RE = re.compile(
-    r"(?:model-.*\.safetensors|" + re.escape(INDEX_NAME) + "|" + re.escape(MANIFEST_NAME) + r")\.tmp-[0-9a-f]+"
-)
-_TAG_RE = re.compile(r"[0-9a-f]{8}")
-
-# Decimal units are powers of 1000, as Hugging Face's "5GB" means; binary units are spelled KiB/MiB/...
-_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 1000,
-    "MB": 1000**2,
-    "GB": 1000**3,
-    "TB": 1000**4,
-    "KIB": 1024,
-    "MIB": 1024**2,
-    "GIB": 1024**3,
-    "TIB": 1024**4,
-}
-_SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([A-Za-z]*)\s*")
-
-
-def parse_size(value: int | str, *, name: str = "max_shard_size") -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"1.5GiB"`` -> 1_610_612_736, ``1000`` -> 1000; a positive byte count."""
-    hint = (
-        f"{name}={value!r} is not a size: give a positive number of bytes or a number with a unit, "
-        'e.g. 5000000, "5GB", "500MB", "1.5GiB" (KB/MB/GB/TB are powers of 1000, KiB/MiB/GiB/TiB of 1024)'
-    )
-    if isinstance(value, bool):
-        raise InvalidArgumentError(hint)
-    if isinstance(value, int):
-        if value <= 0:
-            raise InvalidArgumentError(hint)
-        return value
-    if not isinstance(value, str):
-        raise InvalidArgumentError(hint)
-    match = _SIZE_RE.fullmatch(value)
-    if match is None or match.group(2).upper() not in _UNITS:
-        raise InvalidArgumentError(hint)
-    number, unit = match.groups()
-    size = int(Decimal(number) * _UNITS[unit.upper()])  # Decimal: "1.1TB" is exactly 1_100_000_000_000
-    if size <= 0:
-        raise InvalidArgumentError(hint)
-    return size
-
-
-def plan_shards(entries: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
-    """Group ``(name, nbytes)`` greedily, in the given order, into shards of at most ``max_shard_size`` bytes.
-
-    As huggingface_hub's ``split_state_dict_into_shards_factory``: a tensor larger than the limit gets a shard of
-    its own. Unlike it, that shard takes its place in order, so file order follows state-dict order.
-    """
-    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
-        raise InvalidArgumentError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
-    shards: list[list[str]] = []
-    current: list[str] = []
-    current_size = 0
-    for name, nbytes in entries:
-        if current and current_size + nbytes > max_shard_size:
-            shards.append(current)
-            current, current_size = [], 0
-        current.append(name)
-        current_size += nbytes
-    if current:
-        shards.append(current)
-    return shards
-
-
-def shard_file_names(n: int, *, tag: str | None = None, taken: Iterable[str] = ()) -> list[str]:
-    """Hugging Face shard names for ``n`` shards of one commit: ``model-<tag>-00001-of-0000N.safetensors``.
-
-    Every commit gets a tag of its own, so that no writer ever replaces a file that the committed handoff, or
-    another writer's commit in progress, uses: two writers of one folder cannot mix their shards, and readers
-    of the committed handoff keep reading it while the next one is written. ``tag`` (8 hex digits) fixes it
-    (ranks writing shards of one handoff must agree on it); by default a random one is drawn, avoiding the
-    names in ``taken``. Readers find the names in the index and the manifest; older handoffs' plain names
-    (``model-00001-of-0000N.safetensors``) still read.
-    """
-    if tag is not None and not _TAG_RE.fullmatch(tag):
-        raise InvalidArgumentError(f"tag={tag!r} must be 8 lower-case hex digits, e.g. {secrets.token_hex(4)!r}")
-    taken = set(taken)
-    while True:
-        chosen = tag if tag is not None else secrets.token_hex(4)
-        names = [f"model-{chosen}-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        if taken.isdisjoint(names):
-            return names
-        if tag is not None:
-            raise InvalidArgumentError(f"tag={tag!r} is used by the committed handoff's files; pick another tag")
-
-
-def tag_for(key: str) -> str:
-    """The shard-name tag every rank derives alike from a write's ``key``."""
-    return hashlib.sha256(key.encode()).hexdigest()[:8]
-
-
-def is_shard_name(name: str) -> bool:
-    """Whether ``name`` is a shard file name this format writes (plain or generation-tagged)."""
-    return _SHARD_RE.fullmatch(name) is not None
-
-
-def temp_name(name: str, token: str | None = None) -> str:
-    """The temporary name ``name`` is written under before the rename that publishes it."""
-    return f"{name}.tmp-{token if token is not None else secrets.token_hex(4)}"
-
-
-def is_temp_name(name: str) -> bool:
-    """Whether ``name`` is a temporary file of this format, e.g. left behind by a killed writer."""
-    return _TEMP_RE.fullmatch(name) is not None
-
-
-def build_index(weight_map: Mapping[str, str], total_size: int) -> dict[str, Any]:
-    """The content of ``model.safetensors.index.json`` in Hugging Face's layout."""
-    return {"metadata": {"total_size": int(total_size)}, "weight_map": dict(weight_map)}
 
 
 def check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -367,11 +236,3 @@ def _checked_digest(manifest: Mapping[str, Any], fmt: str, source: str, bad: Any
             "a newer stagesafe wrote it: upgrade stagesafe"
         )
     return name
-
-
-def shard_names(weight_map: Mapping[str, str], shards: Sequence[str]) -> dict[str, list[str]]:
-    """Invert a weight map: each shard file to the tensor names it holds, in weight-map order."""
-    out: dict[str, list[str]] = {file: [] for file in shards}
-    for name, file in weight_map.items():
-        out.setdefault(file, []).append(name)
-    return out

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, shown
-from stagesafe.handoff.folder import HandoffFolder
-from stagesafe.handoff.fs import join, resolve, url_of
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME, check_metadata
+from stagesafe.storage.folder import Folder
+from stagesafe.storage.fs import join, resolve, url_of
+from stagesafe.handoff.manifest import check_metadata
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
 from stagesafe.handoff.read import committed_or_none, read_manifest
 
 __all__ = ["FORM", "FormGroup", "OptimizerForm", "binding", "bound_folder", "check_form", "form_metadata",
@@ -107,7 +108,7 @@ def remove_state(fs: Any, root: str, folder: str) -> None:
     """Delete the optimizer state in ``root``/``folder`` that no weights name (the weights beside it could not be
     committed, or newer weights replaced those that named it): its shards and index, its manifest last, then the
     folder if nothing else is in it. Raises what the store raises; a state left behind is read by nothing."""
-    state = HandoffFolder(fs, join(root, folder))
+    state = Folder(fs, join(root, folder))
     manifest = committed_or_none(state)
     state.remove([*(manifest["shards"] if manifest is not None else ()), INDEX_NAME])
     state.remove([MANIFEST_NAME], empty_root=True)

@@ -1,34 +1,29 @@
 """The plan of a handoff: which tensor goes to which shard file, decided before a byte is written.
 
-One builder, :func:`plan_specs`, makes every plan: from a state dict (:func:`plan_handoff`, for
-``save_state_dict`` and the strategy's writer), from tensors known only by their dtypes and shapes (the
-strategy, before it has the values), and from a DeepSpeed checkpoint's description (``consolidate``). So the
-same tensors get the same shards whichever path writes them. No fsspec here, and torch only to look at the
-tensors of a state dict.
+One builder, :func:`plan_specs`, makes every plan: from a state dict
+(:func:`~stagesafe.handoff.tensor_plan.plan_handoff`, for ``save_state_dict`` and the strategy's writer), from
+tensors known only by their dtypes and shapes (the strategy, before it has the values), and from a DeepSpeed
+checkpoint's description (``consolidate``). So the same tensors get the same shards whichever path writes them.
+Pure: no torch and no fsspec; a plan is tested with plain data.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff import codec
-from stagesafe.handoff.manifest import (
-    DEFAULT_MAX_SHARD_SIZE,
-    SAFETENSORS_DTYPES,
-    parse_size,
-    plan_shards,
-    shard_file_names,
-)
+from stagesafe.handoff.codec import SAFETENSORS_DTYPES
+from stagesafe.handoff.names import shard_file_names
+from stagesafe.handoff.sizes import parse_size
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["HandoffPlan", "dtype_name", "plan_handoff", "plan_specs"]
+__all__ = ["HandoffPlan", "dtype_name", "plan_shards", "plan_specs", "supported_dtype"]
 
 _SUPPORTED_DTYPES = frozenset(SAFETENSORS_DTYPES.values())
 
@@ -103,36 +98,26 @@ def plan_specs(
     )
 
 
-def plan_handoff(
-    state_dict: Mapping[str, torch.Tensor],
-    *,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-    taken: Iterable[str] = (),
-    tag: str | None = None,
-) -> HandoffPlan:
-    """Plan the shards of ``state_dict`` (:func:`plan_specs` on its tensors), every entry checked first.
+def plan_shards(entries: Iterable[tuple[str, int]], max_shard_size: int) -> list[list[str]]:
+    """Group ``(name, nbytes)`` greedily, in the given order, into shards of at most ``max_shard_size`` bytes.
 
-    Names that are the very same tensor view (tied weights) are stored once, under the first name; the others
-    become aliases. ``tag`` fixes the names' tag, so that several ranks plan alike; without it, the names avoid
-    those in ``taken``.
+    As huggingface_hub's ``split_state_dict_into_shards_factory``: a tensor larger than the limit gets a shard of
+    its own. Unlike it, that shard takes its place in order, so file order follows state-dict order.
     """
-    limit = parse_size(max_shard_size)
-    if not isinstance(state_dict, Mapping):
-        raise InvalidArgumentError(
-            f"state_dict must be a mapping of str to torch.Tensor, got {type(state_dict).__name__}"
-        )
-    specs: dict[str, dict[str, Any]] = {}
-    aliases: dict[str, str] = {}
-    first_of: dict[tuple, str] = {}
-    for name, tensor in state_dict.items():
-        _check_entry(name, tensor)
-        specs[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
-        key = _view_identity(tensor)
-        if key is not None:
-            canonical = first_of.setdefault(key, name)
-            if canonical != name:
-                aliases[name] = canonical
-    return plan_specs(specs, aliases, max_shard_size=limit, tag=tag, taken=taken, state_dict=state_dict)
+    if isinstance(max_shard_size, bool) or not isinstance(max_shard_size, int) or max_shard_size <= 0:
+        raise InvalidArgumentError(f"max_shard_size={max_shard_size!r} must be a positive number of bytes")
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, nbytes in entries:
+        if current and current_size + nbytes > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += nbytes
+    if current:
+        shards.append(current)
+    return shards
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:
@@ -140,46 +125,14 @@ def dtype_name(dtype: torch.dtype | str) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _check_entry(name: Any, tensor: Any) -> None:
-    import torch
-
-    codec.check_name(name)
-    where = f"state_dict[{name!r}]"
-    if not isinstance(tensor, torch.Tensor):
-        raise InvalidArgumentError(
-            f"{where} is a {type(tensor).__name__}, not a torch.Tensor; a handoff stores tensors only "
-            "(drop the entry, or put JSON values in metadata)"
-        )
-    if tensor.layout != torch.strided:
-        raise InvalidArgumentError(
-            f"{where} has layout {tensor.layout}; safetensors stores dense tensors: pass .to_dense()"
-        )
-    if tensor.device.type == "meta":
-        raise InvalidArgumentError(
-            f"{where} is on the meta device and has no data (a ZeRO-3 parameter that was not gathered?); "
-            "gather the full weights first"
-        )
-    if dtype_name(tensor.dtype) not in _SUPPORTED_DTYPES:
-        raise InvalidArgumentError(
-            f"{where} has dtype {tensor.dtype}, which safetensors cannot store; convert it first"
-        )
-
-
-def _view_identity(tensor: torch.Tensor) -> tuple | None:
-    """Equal for two tensors exactly when they are the same view of the same memory (tied weights)."""
-    if tensor.numel() == 0:
-        return None  # empty tensors share no bytes; distinct ones may even report the same null pointer
-    return (
-        tensor.device,
-        tensor.untyped_storage().data_ptr(),
-        tensor.storage_offset(),
-        tuple(tensor.shape),
-        tuple(tensor.stride()),
-        tensor.dtype,
-    )
+def supported_dtype(name: str) -> bool:
+    """Whether safetensors stores tensors of the dtype ``name`` (``"bfloat16"``)."""
+    return name in _SUPPORTED_DTYPES
 
 
 def _nbytes(spec: Mapping[str, Any]) -> int:
-    import torch
-
-    return math.prod(spec["shape"]) * getattr(torch, spec["dtype"]).itemsize
+    if not supported_dtype(spec["dtype"]):
+        raise InvalidArgumentError(
+            f"a tensor of dtype {spec['dtype']!r} cannot be planned: safetensors cannot store it; convert it first"
+        )
+    return codec.nbytes(spec["dtype"], spec["shape"])

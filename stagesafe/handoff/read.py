@@ -20,20 +20,14 @@ from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, HandoffN
 from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff import local_shards as _local_shards
-from stagesafe.handoff.folder import HandoffFolder, check_workers, each
-from stagesafe.handoff.fs import basename, bucket_of, is_local, join, list_files, url_of
-from stagesafe.handoff.manifest import (
-    INDEX_NAME,
-    MANIFEST_NAME,
-    digest_of,
-    is_shard_name,
-    shard_digest,
-    shard_names,
-    validate_manifest,
-)
+from stagesafe.storage.folder import Folder, check_workers, each
+from stagesafe.storage.fs import basename, bucket_of, is_local, join, list_files, url_of
+from stagesafe.handoff.index import shard_names
+from stagesafe.handoff.manifest import digest_of, shard_digest, validate_manifest
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.plan import dtype_name
-from stagesafe.handoff.retry import RetryPolicy
-from stagesafe.handoff.safe_files import open_in, read_in, size_of
+from stagesafe.storage.retry import RetryPolicy
+from stagesafe.storage.safe_files import open_in, read_in, size_of
 from stagesafe.progress import bytes_bar
 
 if TYPE_CHECKING:
@@ -72,14 +66,14 @@ def read_manifest(
     uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
 ) -> dict[str, Any]:
     """The manifest of the committed handoff at ``uri`` (validated, shards not checked)."""
-    return fetch_manifest(HandoffFolder.at(uri, storage_options, retry=retry))
+    return fetch_manifest(Folder.at(uri, storage_options, retry=retry))
 
 
 def check_present(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Raise ``HandoffNotFoundError`` or ``HandoffCorruptError`` unless the committed handoff at ``uri`` is
     there whole: its manifest valid, every shard it names present with the size it records. Cheap (no shard
     is read); returns the manifest."""
-    folder = HandoffFolder.at(uri, storage_options).tried_once()
+    folder = Folder.at(uri, storage_options).tried_once()
     manifest = fetch_manifest(folder)
     fs, root = folder.fs, folder.root
     fs.invalidate_cache(root)
@@ -113,7 +107,7 @@ def load_state_dict(
     """
     verify = checked_flag("verify", verify)
     progress = checked_optional_flag("progress", progress, default="a bar on a terminal for a gigabyte or more")
-    folder = HandoffFolder.at(uri, storage_options, retry=retry)
+    folder = Folder.at(uri, storage_options, retry=retry)
     workers = check_workers(workers, folder.fs)
     import torch
 
@@ -135,7 +129,7 @@ class HandoffReader(Mapping):
     def __init__(
         self, uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
     ) -> None:
-        self._folder = HandoffFolder.at(uri, storage_options, retry=retry)
+        self._folder = Folder.at(uri, storage_options, retry=retry)
         self.manifest = fetch_manifest(self._folder)
         self._cached: tuple[str | None, dict[str, torch.Tensor]] = (None, {})
 
@@ -162,7 +156,7 @@ class HandoffReader(Mapping):
         return len(self.manifest["tensors"])
 
 
-def read_shard(folder: HandoffFolder, manifest: Mapping[str, Any], file_name: str) -> dict[str, torch.Tensor]:
+def read_shard(folder: Folder, manifest: Mapping[str, Any], file_name: str) -> dict[str, torch.Tensor]:
     """One shard of the committed handoff ``manifest`` describes, checked as :func:`load_state_dict` checks it
     (size, digest, contents): its stored tensors, on the CPU. For a reader that takes a few slices of each."""
     import torch
@@ -173,12 +167,12 @@ def read_shard(folder: HandoffFolder, manifest: Mapping[str, Any], file_name: st
         raise HandoffCorruptError(f"{exc} (or a writer replaced the handoff while it was read)") from None
 
 
-def fetch_manifest(folder: HandoffFolder) -> dict[str, Any]:
+def fetch_manifest(folder: Folder) -> dict[str, Any]:
     """The committed manifest, read with the folder's retries."""
     return folder.transfer(lambda: committed_manifest(folder), what=f"read {folder.url}/{MANIFEST_NAME}")
 
 
-def committed_manifest(folder: HandoffFolder, *, explain: bool = True) -> dict[str, Any]:
+def committed_manifest(folder: Folder, *, explain: bool = True) -> dict[str, Any]:
     """The committed manifest (one try). ``explain=False``: skip looking around for a helpful not-found message."""
     where = f"{folder.url}/{MANIFEST_NAME}"
     try:
@@ -189,14 +183,14 @@ def committed_manifest(folder: HandoffFolder, *, explain: bool = True) -> dict[s
     return validate_manifest(parse_json(raw, where), source=where)
 
 
-def committed_shards(folder: HandoffFolder) -> set[str]:
+def committed_shards(folder: Folder) -> set[str]:
     """The shard files of the committed handoff in ``folder``; none if there is none or it cannot be read (its
     files are then left to the age rule of :func:`~stagesafe.handoff.cleanup.remove_stale`)."""
     manifest = committed_or_none(folder)
     return set(manifest["shards"]) if manifest is not None else set()
 
 
-def committed_or_none(folder: HandoffFolder) -> dict[str, Any] | None:
+def committed_or_none(folder: Folder) -> dict[str, Any] | None:
     """The committed manifest in ``folder`` (read with its retries), or None if there is none or it is damaged."""
     try:
         return folder.transfer(
@@ -236,7 +230,7 @@ def shard_progress(
             bar.close()
 
 
-def while_unchanged(folder: HandoffFolder, manifest: dict[str, Any], read: Callable[[dict[str, Any]], T]) -> T:
+def while_unchanged(folder: Folder, manifest: dict[str, Any], read: Callable[[dict[str, Any]], T]) -> T:
     """``read(manifest)``, started over from the new manifest when a writer replaced the handoff meanwhile
     (and deleted the shards being read): only a handoff that stays committed while it is read is damaged."""
     for round_ in range(_READ_ROUNDS):
@@ -302,7 +296,7 @@ def missing_message(url: str, file_name: str) -> str:
 
 
 def _load(
-    folder: HandoffFolder,
+    folder: Folder,
     manifest: Mapping[str, Any],
     device: torch.device,
     *,
@@ -324,7 +318,7 @@ def _load(
 
 
 def _read_shard(
-    folder: HandoffFolder,
+    folder: Folder,
     manifest: Mapping[str, Any],
     file_name: str,
     device: torch.device,
@@ -377,7 +371,7 @@ def _read_shard(
     return {name: tensor if device.type == "cpu" else tensor.to(device) for name, tensor in tensors.items()}
 
 
-def _not_found_message(folder: HandoffFolder) -> str:
+def _not_found_message(folder: Folder) -> str:
     fs, root, url = folder.fs, folder.root, folder.url
     bucket = bucket_of(fs, root)
     if bucket is not None:

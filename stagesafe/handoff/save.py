@@ -14,13 +14,15 @@ from typing import TYPE_CHECKING, Any
 from stagesafe.flags import checked_flag
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
-from stagesafe.handoff.commit import commit
-from stagesafe.handoff.folder import check_retry, check_workers
-from stagesafe.handoff.fs import check_not_a_file, resolve
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE, check_metadata
-from stagesafe.handoff.plan import plan_handoff, plan_specs
-from stagesafe.handoff.retry import RetryPolicy
-from stagesafe.handoff.shards import write_shards
+from stagesafe.handoff.commit import remove_replaced
+from stagesafe.storage.folder import check_retry, check_workers
+from stagesafe.storage.fs import check_not_a_file, resolve
+from stagesafe.handoff.manifest import check_metadata
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.handoff.tensor_plan import plan_handoff
+from stagesafe.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +50,7 @@ def save_state_dict(
     ``"sha256"`` writes a handoff that stagesafe versions before the digest was chosen can read too).
     ``workers`` shards are built and uploaded at a time (default: 4 on a remote filesystem, 1 on a local disk),
     so about that many shards are in flight at once. Every storage operation is tried again on transient
-    errors as ``retry`` says (default :class:`~stagesafe.handoff.retry.RetryPolicy`); if one still fails,
+    errors as ``retry`` says (default :class:`~stagesafe.storage.retry.RetryPolicy`); if one still fails,
     ``StorageTransferError`` names it, the shards this call wrote are deleted and the handoff committed before
     is unchanged. Two processes saving to one ``uri`` at once never mix their files: the last commit wins
     whole, and neither deletes the other's shards.
@@ -63,8 +65,9 @@ def save_state_dict(
     if not overwrite:
         refuse_existing_handoff(fs, root, retry=retry)
     plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
-    records = write_shards(fs, root, plan, workers=workers, retry=retry, digest=digest)
-    return commit(fs, root, plan, records, metadata=metadata, retry=retry)
+    done = write_and_commit(fs, root, plan, metadata=metadata, workers=workers, retry=retry, digest=digest)
+    remove_replaced(fs, root, done)
+    return done.manifest
 
 
 def save_streamed(
@@ -89,5 +92,6 @@ def save_streamed(
     metadata = check_metadata(metadata)
     once = RetryPolicy(attempts=1)
     plan = plan_specs(specs, aliases, max_shard_size=max_shard_size, state_dict=tensors)
-    records = write_shards(fs, root, plan, workers=1, retry=once)
-    return commit(fs, root, plan, records, metadata=metadata, retry=once)
+    done = write_and_commit(fs, root, plan, metadata=metadata, workers=1, retry=once)
+    remove_replaced(fs, root, done)
+    return done.manifest

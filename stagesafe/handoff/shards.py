@@ -20,17 +20,19 @@ from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.handoff.codec import encode_header
-from stagesafe.handoff.folder import UNCHANGED, HandoffFolder, check_retry, check_workers, each
-from stagesafe.handoff.fs import is_local
-from stagesafe.handoff.manifest import is_shard_name
+from stagesafe.storage.folder import Folder, check_retry, check_workers, each
+from stagesafe.storage.fs import is_local
+from stagesafe.handoff.names import is_shard_name
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
-from stagesafe.handoff.retry import RetryPolicy
 from stagesafe.progress import bytes_bar
+from stagesafe.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Pieces", "ShardRecord", "write_shard", "write_shards", "write_shards_shown"]
+__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards", "write_shards_shown"]
+
+UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 
 _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a few times, under a busy trainer
 
@@ -104,7 +106,7 @@ def write_shards(
         # Ctrl+C too: a write cut short leaves none of its shards, nor a part of the one that failed (memory://
         # publishes a file as it is opened). Never a live file: the plan's names avoid the committed handoff's.
         # One try each: if the store is down, the next save deletes them.
-        HandoffFolder(fs, root).remove(started, empty_root=remove_root)
+        Folder(fs, root).remove(started, empty_root=remove_root)
         raise
     return {file_name: written[file_name] for file_name in wanted}
 
@@ -147,7 +149,7 @@ def write_shard(
     piece without joining them. The write (one PUT or multipart upload on an object
     store) is tried again on transient errors as ``retry`` says, until ``stop`` is set (another shard failed).
     """
-    folder = HandoffFolder(fs, root, check_retry(retry))
+    folder = Folder(fs, root, check_retry(retry))
     digest = _digest.check_name(digest)
     if not is_shard_name(file_name):
         raise InvalidArgumentError(

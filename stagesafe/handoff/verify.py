@@ -20,8 +20,9 @@ from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import codec
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.commit import index_follows_the_manifest, write_index
-from stagesafe.handoff.folder import HandoffFolder, check_workers, each
-from stagesafe.handoff.manifest import INDEX_NAME, digest_of, is_shard_name
+from stagesafe.storage.folder import Folder, check_workers, each
+from stagesafe.handoff.manifest import digest_of
+from stagesafe.handoff.names import INDEX_NAME, is_shard_name
 from stagesafe.handoff.optimizer_state import open_form
 from stagesafe.handoff.read import (
     MAX_JSON,
@@ -34,8 +35,8 @@ from stagesafe.handoff.read import (
     shard_progress,
     while_unchanged,
 )
-from stagesafe.handoff.retry import RetryPolicy
-from stagesafe.handoff.safe_files import open_in, read_in, size_of
+from stagesafe.storage.retry import RetryPolicy
+from stagesafe.storage.safe_files import open_in, read_in, size_of
 
 __all__ = ["verify"]
 
@@ -66,7 +67,7 @@ def verify(
     """
     fix_index = checked_flag("fix_index", fix_index)
     progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
-    folder = HandoffFolder.at(uri, storage_options, retry=retry)
+    folder = Folder.at(uri, storage_options, retry=retry)
     workers = check_workers(workers, folder.fs)
     folder.fs.invalidate_cache(folder.root)  # sizes must come from the store, not from a listing cached before a write
     manifest = fetch_manifest(folder)
@@ -83,7 +84,7 @@ def verify(
 
 
 def _verify(
-    folder: HandoffFolder,
+    folder: Folder,
     manifest: dict[str, Any],
     *,
     workers: int,
@@ -130,7 +131,7 @@ class _IndexDifference:
     interrupted: bool = False
 
 
-def _after_a_moment(folder: HandoffFolder, manifest: Mapping[str, Any], stale: _IndexDifference) -> _IndexDifference | None:
+def _after_a_moment(folder: Folder, manifest: Mapping[str, Any], stale: _IndexDifference) -> _IndexDifference | None:
     """The index's difference once a writer in the middle of a commit had a moment to finish it: a save writes
     its index just after its manifest, so only a difference that stays is an interrupted save's. A handoff
     replaced meanwhile is verified again from its new manifest."""
@@ -144,7 +145,7 @@ def _after_a_moment(folder: HandoffFolder, manifest: Mapping[str, Any], stale: _
         stale = _index_difference(folder, manifest)
 
 
-def _rewrite_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
+def _rewrite_index(folder: Folder, manifest: Mapping[str, Any]) -> None:
     """``--fix-index``: write the index of ``manifest`` only while it is still the committed one. A writer that
     committed meanwhile writes its own index; should its commit land between the look and the write, the index
     is made to follow it, and the new handoff is verified in its turn."""
@@ -157,7 +158,7 @@ def _rewrite_index(folder: HandoffFolder, manifest: Mapping[str, Any]) -> None:
 
 
 def _verify_shard(
-    folder: HandoffFolder,
+    folder: Folder,
     manifest: Mapping[str, Any],
     file_name: str,
     *,
@@ -201,7 +202,7 @@ def _hash_file(
     return hexdigest, len(head) + rest, header
 
 
-def _index_difference(folder: HandoffFolder, manifest: Mapping[str, Any]) -> _IndexDifference | None:
+def _index_difference(folder: Folder, manifest: Mapping[str, Any]) -> _IndexDifference | None:
     """How the Hugging Face index differs from the manifest (loaders read the index, not the manifest), or
     None where they agree. A missing or malformed index says so."""
     where = f"{folder.url}/{INDEX_NAME}"
@@ -265,7 +266,7 @@ def _index_entries(index: Any, where: str) -> tuple[dict[str, str], int]:
     return weight_map, total_size
 
 
-def _index_of_an_interrupted_save(folder: HandoffFolder, weight_map: Mapping[str, str], where: str) -> bool:
+def _index_of_an_interrupted_save(folder: Folder, weight_map: Mapping[str, str], where: str) -> bool:
     """True when every shard the index names exists and holds exactly the tensors the index puts there: the
     index of a complete set of shards, such as the commit before a save that died between its manifest and its
     index leaves (or, written by an older stagesafe, a save that died between its index and its manifest).

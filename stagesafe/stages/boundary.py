@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
 from stagesafe.handoff.read import HandoffReader, check_present, read_manifest
 from stagesafe.stages import collectives
@@ -46,32 +47,12 @@ from stagesafe.stages.writer import HandoffWriter
 from stagesafe.restore import assign_values, load_for
 from stagesafe.zero import engine as zero_engine
 
-__all__ = ["BoundaryReport", "StageBoundary", "StageOptions", "assert_clean"]
+__all__ = ["StageBoundary", "StageOptions", "assert_clean"]
 
 log = logging.getLogger(__name__)
 
 # Sources of weights that come from this stage: the handoff's metadata names it.
 _FROM_THIS_STAGE = (WeightSource.STREAMED, WeightSource.MASTERS, WeightSource.CHECKPOINT)
-
-
-@dataclass
-class BoundaryReport:
-    """What one stage boundary did, for logs and the demo."""
-
-    stage: str
-    uri: str
-    seconds: float = 0.0  # leaving the stage: consolidate, destroy, restore, start the write
-    enter_seconds: float = 0.0  # entering it: the clean check, host memory, the engine's partitions from a handoff,
-    # and once the engine is built, a fit's exact fp32 values loaded into its masters
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per step (the writer's too, once it ran)
-    wrote: bool = False  # a handoff write of this stage's weights was started
-    handoff_bytes: int = 0
-    stale_problems: list[str] = field(default_factory=list)
-    copied_while_waiting: int = 0  # bytes cloned for the background writer before the call could return
-
-    @property
-    def clean(self) -> bool:
-        return not self.stale_problems
 
 
 @dataclass(frozen=True)

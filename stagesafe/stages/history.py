@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.manifest import DEFAULT_MAX_SHARD_SIZE
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 
 if TYPE_CHECKING:
     from stagesafe.stages.writer import HandoffWriter

@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Mapping
 
 import torch
 
-from stagesafe.handoff.workers import Workers
+from stagesafe.storage.workers import Workers
 from stagesafe.stages import page_lock
 
 __all__ = ["HostBuffers", "HostPool", "give_back_freed_memory"]

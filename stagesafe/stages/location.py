@@ -13,9 +13,10 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
-from stagesafe.handoff.fs import join, resolve, url_of
-from stagesafe.handoff.manifest import MANIFEST_NAME, temp_name
-from stagesafe.handoff.folder import read_small, remove_file, write_probe
+from stagesafe.handoff.names import scratch_name
+from stagesafe.handoff.shards import UNCHANGED
+from stagesafe.storage.folder import read_small, remove_file, write_probe
+from stagesafe.storage.fs import join, resolve, url_of
 from stagesafe.stages import collectives
 from stagesafe.stages.history import HandoffTarget
 
@@ -40,7 +41,7 @@ def agree_on_location(target: HandoffTarget) -> Location:
     def write_token() -> str:
         token = secrets.token_hex(8)
         fs, root = resolve(target.uri, options)
-        write_probe(fs, root, _token_file(token), token.encode())
+        write_probe(fs, root, _token_file(token), token.encode(), hint=UNCHANGED)
         return token
 
     def look(token: str) -> tuple[bool, str]:
@@ -59,4 +60,4 @@ def agree_on_location(target: HandoffTarget) -> Location:
 
 
 def _token_file(token: str) -> str:
-    return temp_name(MANIFEST_NAME, token)  # a name the store's own cleanup removes, should it be left behind
+    return scratch_name(token)  # a name the handoff's own cleanup removes, should it be left behind

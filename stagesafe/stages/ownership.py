@@ -19,7 +19,7 @@ from typing import Any
 
 from stagesafe.errors import HandoffExistsError, HandoffNotFoundError
 from stagesafe.handoff.read import read_manifest
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.retry import RetryPolicy
 from stagesafe.stages import collectives
 
 __all__ = ["RUN", "claim_folder", "versioned"]

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from stagesafe.boundary_report import BoundaryReport
 from stagesafe.handoff.save import save_state_dict, save_streamed
 from stagesafe.stages import collectives
 from stagesafe.stages.engine_weights import StreamedValues
@@ -37,13 +38,13 @@ def handoff_metadata(history: ModuleHistory) -> dict[str, Any]:
 class HandoffPublisher:
     """Has one boundary's weights written to its ``target`` (every rank calls each method, in step).
 
-    ``report``: the boundary's :class:`~stagesafe.stages.boundary.BoundaryReport`, which gets ``wrote``,
+    ``report``: the boundary's :class:`~stagesafe.boundary_report.BoundaryReport`, which gets ``wrote``,
     ``handoff_bytes``, ``copied_while_waiting`` and the writer's phases. ``end``: the stage's end, which holds
     the handoff's plan, which names this rank writes and the host memory of their private copies.
     """
 
     def __init__(
-        self, module: nn.Module, target: HandoffTarget, writer: HandoffWriter, end: StageEnd, report: Any
+        self, module: nn.Module, target: HandoffTarget, writer: HandoffWriter, end: StageEnd, report: BoundaryReport
     ) -> None:
         self._module = module
         self._target = target

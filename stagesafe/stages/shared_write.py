@@ -3,10 +3,11 @@
 After a stage every rank holds the whole state dict (``between_stages="cpu"``), so each can write some of
 the shards: write bandwidth, hashing, and the private copies a background write reads from are split across
 ranks, and each rank's writer competes only with its own process for the GIL. Each rank plans alike, from the
-same tensors and the write's key (the shard names' tag), writes its share and posts its shards' digests, or its
-error, on the job's key-value store; rank 0 commits once it has heard from every writing rank, or deletes
-every shard of the write and fails, leaving the committed handoff as it was. With one writing rank (the
-ranks do not see one folder), rank 0 writes everything.
+same tensors and the write's key (the shard names' tag), and follows the handoff's one commit protocol
+(:func:`~stagesafe.handoff.protocol.write_and_commit`): it writes its share and posts its shards' digests, or its
+error, on the job's key-value store (:class:`ChannelExchange`); rank 0 commits once it has heard from every
+writing rank, or deletes every shard of the write and fails, leaving the committed handoff as it was. With one
+writing rank (the ranks do not see one folder), rank 0 writes everything.
 """
 
 from __future__ import annotations
@@ -16,16 +17,17 @@ from typing import Any
 
 import torch
 
-from stagesafe.errors import StorageTransferError
-from stagesafe.handoff.fs import resolve, url_of
-from stagesafe.handoff.manifest import check_metadata, tag_for
-from stagesafe.handoff.cleanup import delete_shards
-from stagesafe.handoff.commit import Commit, commit_handoff
-from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_handoff
-from stagesafe.handoff.shards import ShardRecord, write_shards
+from stagesafe.handoff.commit import Commit
+from stagesafe.handoff.manifest import check_metadata
+from stagesafe.handoff.names import tag_for
+from stagesafe.handoff.plan import HandoffPlan, dtype_name
+from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.handoff.shards import ShardRecord
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.channel import JobChannel, Outcome, failures
+from stagesafe.storage.fs import resolve
 
-__all__ = ["owners", "names_written_by", "write_share"]
+__all__ = ["ChannelExchange", "owners", "names_written_by", "write_share"]
 
 
 def owners(plan: HandoffPlan, writers: int) -> dict[str, int]:
@@ -68,30 +70,35 @@ def write_share(
     plan = plan.tagged(tag_for(channel.prefix), state_dict=values)
     mine = [file for file, owner in owners(plan, writers).items() if owner == channel.rank]
     _check_values(plan, mine)
-    records: dict[str, ShardRecord] = {}
-    error: BaseException | None = None
-    try:
-        records = write_shards(fs, root, plan, mine)
-    except BaseException as exc:  # noqa: BLE001 - whatever ended this rank's share, an interrupt too, is posted:
-        error = exc  # rank 0 would otherwise wait out the timeout for it; raised here too
-    if channel.rank != 0:
+    exchange = ChannelExchange(channel, writers)
+    return write_and_commit(fs, root, plan, metadata=metadata, files=mine, exchange=exchange)
+
+
+class ChannelExchange:
+    """The commit protocol's :class:`~stagesafe.handoff.protocol.RecordExchange` over the job's key-value store:
+    each rank posts its shards' records, or its error, under ``shards/<rank>`` of the write's channel."""
+
+    def __init__(self, channel: JobChannel, writers: int) -> None:
+        self.channel, self.writers, self.rank = channel, writers, channel.rank
+
+    def post(self, records: Mapping[str, ShardRecord], error: BaseException | None) -> None:
         value = {f: [r.digest, r.hexdigest, r.size] for f, r in records.items()}
-        channel.post_outcome(f"shards/{channel.rank}", Outcome.of(error, value))
-        if error is not None:
-            raise error
-        return None
-    waited, failed = _gather_records(channel, writers, records, url_of(fs, root))  # also after a failure here:
-    error = error or waited  # the other ranks' shards are deleted only once they are written
-    if error is None and not failed:
-        return commit_handoff(fs, root, plan, records, metadata=metadata)  # a failure here may have committed
-    delete_shards(fs, root, plan.shards)  # every rank's: a write that failed before its commit leaves nothing
-    if error is not None:
-        raise error
-    shown = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
-    raise StorageTransferError(
-        f"could not write the shards of {url_of(fs, root)!r} on {shown}; nothing was committed: "
-        "the handoff there before, if any, is unchanged"
-    )
+        self.channel.post_outcome(f"shards/{self.rank}", Outcome.of(error, value))
+
+    def gather(self, url: str) -> tuple[dict[str, ShardRecord], Exception | None, dict[int, str]]:
+        others = range(1, self.writers)
+        what = f"writing the handoff {url!r}: the shards of the other ranks"
+        try:
+            self.channel.wait([f"shards/{r}" for r in others], what=what)
+            posted = {r: self.channel.outcome(f"shards/{r}") for r in others}
+        except Exception as exc:  # noqa: BLE001 - raised by the protocol, once this write's shards are gone
+            return {}, exc, {}
+        records: dict[str, ShardRecord] = {}
+        for outcome in posted.values():
+            if outcome.ok:
+                shards = outcome.value.items()
+                records.update({f: ShardRecord(digest=d, hexdigest=h, size=size) for f, (d, h, size) in shards})
+        return records, None, failures(posted)
 
 
 def _check_values(plan: HandoffPlan, files: list[str]) -> None:
@@ -107,21 +114,3 @@ def _check_values(plan: HandoffPlan, files: list[str]) -> None:
                     f"was given {got} to write; this is a bug in stagesafe: please report it"
                 )
 
-
-def _gather_records(
-    channel: JobChannel, writers: int, records: dict[str, ShardRecord], url: str
-) -> tuple[Exception | None, dict[int, str]]:
-    """On rank 0: add the other writing ranks' shard records to ``records``. Returns the error that ended the
-    wait, if any, and the ranks that posted a failure, with its text."""
-    others = range(1, writers)
-    what = f"writing the handoff {url!r}: the shards of the other ranks"
-    try:
-        channel.wait([f"shards/{r}" for r in others], what=what)
-        posted = {r: channel.outcome(f"shards/{r}") for r in others}
-    except Exception as exc:  # noqa: BLE001 - raised by the caller, once this write's shards are gone
-        return exc, {}
-    for outcome in posted.values():
-        if outcome.ok:
-            shards = outcome.value.items()
-            records.update({f: ShardRecord(digest=d, hexdigest=h, size=size) for f, (d, h, size) in shards})
-    return None, failures(posted)

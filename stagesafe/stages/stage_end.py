@@ -24,8 +24,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.manifest import parse_size
-from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_handoff, plan_specs
+from stagesafe.handoff.sizes import parse_size
+from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages import collectives, host_budget, page_lock
 from stagesafe.stages.history import KeptTraining, ModuleHistory
 from stagesafe.stages.host import HostBuffers, HostPool, give_back_freed_memory
@@ -379,7 +380,7 @@ def _kept_tensors(history: ModuleHistory | None) -> list[torch.Tensor]:
     kept = history.kept if history is not None else None
     if kept is None or kept.checkpoint is None:
         return []
-    tensors = {t.untyped_storage().data_ptr(): t for t in zero_engine._tensors_in(kept.checkpoint) if t.numel()}
+    tensors = {t.untyped_storage().data_ptr(): t for t in zero_engine.tensors_in(kept.checkpoint) if t.numel()}
     return list(tensors.values())
 
 

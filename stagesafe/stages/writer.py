@@ -39,10 +39,10 @@ from typing import Any
 import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
-from stagesafe.handoff.fs import resolve
-from stagesafe.handoff.manifest import tag_for
+from stagesafe.storage.fs import resolve
+from stagesafe.handoff.names import is_commit_of
 from stagesafe.handoff.plan import HandoffPlan
-from stagesafe.handoff.retry import RetryPolicy
+from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.commit import Commit, remove_replaced
 from stagesafe.handoff.read import read_manifest
 from stagesafe.stages.channel import JobChannel, Outcome, quoted
@@ -504,8 +504,7 @@ def _committed_or_not(write: _Write | None) -> str:
         return "it was not committed: the folder holds no handoff"
     except Exception as exc:  # noqa: BLE001 - unreadable: said as such
         return f"whether it was committed could not be read ({describe(exc)}): run stagesafe verify on it"
-    tag = tag_for(write.channel.prefix)
-    if any(name.startswith(f"model-{tag}-") for name in manifest["shards"]):
+    if is_commit_of(manifest["shards"], write.channel.prefix):
         return "it was committed before the interrupt: the handoff holds this write's weights"
     return "it was not committed: the handoff there holds an earlier write's weights, unchanged"
 

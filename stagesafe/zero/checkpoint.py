@@ -26,7 +26,7 @@ from typing_extensions import Self
 
 from stagesafe.errors import CheckpointFormatError, StageSafeError, clip, shown
 from stagesafe.flags import checked_flag, checked_optional_flag
-from stagesafe.handoff.fs import is_local, join, resolve, url_of
+from stagesafe.storage.fs import is_local, join, resolve, url_of
 from stagesafe.zero.checkpoint_folder import TagFolder, file_names, locate, rank_file_names
 from stagesafe.zero.checkpoint_tensors import CheckpointTensors, Piece, RankFiles, TensorSpec, client_entries, describe
 from stagesafe.zero.pickle_globals import (

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from stagesafe.errors import CheckpointFormatError, shown
-from stagesafe.handoff.fs import basename, join, url_of
-from stagesafe.handoff.safe_files import read_in
+from stagesafe.storage.fs import basename, join, url_of
+from stagesafe.storage.safe_files import read_in
 
 __all__ = ["RankFileNames", "TagFolder", "file_names", "locate", "rank_file_names"]
 

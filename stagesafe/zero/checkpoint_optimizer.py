@@ -204,7 +204,7 @@ class CheckpointOptimizer:
     def read_all(self, reads: list[tuple[str, str | None, int, torch.Tensor]]) -> None:
         """Each ``(name, key, first, out)`` of :meth:`read_into`, largest first, on a few threads (``pread`` lets
         go of the GIL; a first touch of fresh memory costs a page fault, which one thread pays slowly)."""
-        from stagesafe.handoff.workers import Workers
+        from stagesafe.storage.workers import Workers
 
         reads = sorted(reads, key=lambda r: -r[3].numel())
         threads = max(1, min(_READERS, os.cpu_count() or 1, len(reads)))

@@ -14,7 +14,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from stagesafe.errors import CheckpointFormatError, shown
-from stagesafe.handoff.folder import HandoffFolder, check_workers, each
+from stagesafe.storage.folder import Folder, check_workers, each
 from stagesafe.handoff.optimizer_state import OptimizerForm, state_name
 from stagesafe.handoff.read import read_shard
 
@@ -72,8 +72,8 @@ class HandoffOptimizer:
         """Each ``(name, key, first, out)``: elements ``[first, first + out.numel())`` of the flattened parameter
         ``name``'s state ``key`` (None: its fp32 master) into ``out``; the shards that hold them read once each,
         a few at a time."""
-        weights = HandoffFolder.at(self.tag_url, self._options)
-        state = HandoffFolder.at(self.form.url, self._options)
+        weights = Folder.at(self.tag_url, self._options)
+        state = Folder.at(self.form.url, self._options)
         by_shard: dict[str, list[tuple[str, int, torch.Tensor]]] = defaultdict(list)
         for name, key, first, out in reads:
             if key is None:

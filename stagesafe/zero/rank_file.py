@@ -28,7 +28,7 @@ import zlib
 from typing import Any
 
 from stagesafe.errors import CheckpointFormatError, clip, shown
-from stagesafe.handoff.safe_files import open_local
+from stagesafe.storage.safe_files import open_local
 from stagesafe.zero.pickle_globals import TensorRecord
 from stagesafe.zero.pickle_reader import read_pickle
 

@@ -164,8 +164,8 @@ def _die_before_the_commit() -> None:
     """This process sends itself SIGKILL as it is about to write the manifest: the killed rank only chooses when."""
     import signal
 
-    from stagesafe.handoff import folder
-    from stagesafe.handoff.manifest import MANIFEST_NAME
+    from stagesafe.storage import folder
+    from stagesafe.handoff.names import MANIFEST_NAME
 
     real = folder.write_atomic
 

@@ -34,8 +34,8 @@ import torch
 
 from stagesafe import save_state_dict
 
-from stagesafe.handoff import folder
-from stagesafe.handoff.manifest import INDEX_NAME, MANIFEST_NAME
+from stagesafe.storage import folder
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
 
 NUMEL = 4 * 1024 * 1024  # float32 elements per tensor: 16 MiB
 SHARD = "32MiB"

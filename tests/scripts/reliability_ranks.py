@@ -138,7 +138,8 @@ FAULTS = ("flipped_byte", "truncated_shard", "missing_shard", "weight_map_disagr
 
 def bad_handoff(root: str, fault: str) -> tuple[str, str]:
     """A handoff with ``fault``, and the shard an error must name (\"\" for faults that are not a shard's)."""
-    from stagesafe.handoff.manifest import manifest_checksum, INDEX_NAME, MANIFEST_NAME
+    from stagesafe.handoff.manifest import manifest_checksum
+    from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
 
     uri = f"{rank_root(root)}/bad/{fault}"
     state = dict(fresh_module(seed=1).state_dict())

@@ -16,13 +16,13 @@ Callers use the names below, from this package.
 """
 
 from stagesafe.zero.engine.checkpoint_state import (
-    _tensors_in,  # noqa: F401  (private: tests reach it through the package)
-    _to_host,  # noqa: F401  (private: tests reach it through the package)
     checkpoint_device_specs,
     LaterCopies,
     checkpoint_files,
     checkpoint_files_later,
     foreseen_state_specs,
+    tensors_in,
+    to_host,
 )
 from stagesafe.zero.engine.checkpoint_load import (
     load_optimizer_state,
@@ -74,6 +74,8 @@ __all__ = [
     "LaterCopies",
     "checkpoint_device_specs",
     "foreseen_state_specs",
+    "tensors_in",
+    "to_host",
     "PartitionRecipe",
     "built_partitions",
     "read_rank_files",

@@ -40,7 +40,7 @@ def checkpoint_files(
     copies: list[tuple[torch.Tensor, torch.Tensor]] = []
     own = _on_cpu(engine)
     files = _checkpoint_states(
-        engine, exclude_frozen, lambda state: _to_host(state, copies, host_memory, keep_host=own), names=names
+        engine, exclude_frozen, lambda state: to_host(state, copies, host_memory, keep_host=own), names=names
     )
     _synchronize(copies)
     return files
@@ -66,7 +66,7 @@ class LaterCopies:
             torch.cuda.set_device(device)  # perhaps in another thread: this rank's GPU, before any copy
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for container, key in slots:
-            container[key] = _to_host(container[key], copies, host_memory)
+            container[key] = to_host(container[key], copies, host_memory)
         _synchronize(copies)
 
 
@@ -83,7 +83,7 @@ def checkpoint_files_later(
     later, copies = LaterCopies(), []
     on_device = _device_of(engine)
     files = _checkpoint_states(
-        engine, exclude_frozen, lambda state: _to_host(state, copies, later=later, on_device=on_device), names=names
+        engine, exclude_frozen, lambda state: to_host(state, copies, later=later, on_device=on_device), names=names
     )
     _synchronize(copies)
     return files, later
@@ -99,7 +99,7 @@ def checkpoint_device_specs(
     specs: list[tuple[torch.Size, torch.dtype]] = []
 
     def note(state: Any) -> None:
-        for tensor in _tensors_in(state):
+        for tensor in tensors_in(state):
             if tensor.device.type == "cuda":
                 specs.append((tensor.shape, tensor.dtype))
 
@@ -184,16 +184,16 @@ def _with_placeholders(engine: Any) -> Callable[..., dict[str, Any]]:
     return module_state_dict
 
 
-def _tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Every tensor in ``obj``'s dicts, lists and tuples."""
     if isinstance(obj, torch.Tensor):
         yield obj
     elif isinstance(obj, dict):
         for value in obj.values():
-            yield from _tensors_in(value)
+            yield from tensors_in(value)
     elif type(obj) in (list, tuple):
         for value in obj:
-            yield from _tensors_in(value)
+            yield from tensors_in(value)
 
 
 _FP32_FLAT_GROUPS = "fp32_flat_groups"  # ZeRO-3's key for this rank's fp32 master partitions
@@ -216,7 +216,7 @@ def _same_device(device: torch.device, on_device: torch.device | None) -> bool:
     return device.type != "cuda" or (device.index or 0) == (on_device.index or 0)
 
 
-def _to_host(
+def to_host(
     obj: Any,
     copies: list[tuple[torch.Tensor, torch.Tensor]],
     host_memory: HostMemory | None = None,
@@ -250,10 +250,10 @@ def _to_host(
                 copied[key] = value.detach()
                 later.slots.append((copied, key))
             else:
-                copied[key] = _to_host(value, copies, host_memory, later=later, on_device=on_device, keep_host=keep_host)
+                copied[key] = to_host(value, copies, host_memory, later=later, on_device=on_device, keep_host=keep_host)
         return copied
     if type(obj) is tuple:  # immutable: its tensors are copied now, never left for later
-        return tuple(_to_host(value, copies, host_memory, keep_host=keep_host) for value in obj)
+        return tuple(to_host(value, copies, host_memory, keep_host=keep_host) for value in obj)
     return obj
 
 

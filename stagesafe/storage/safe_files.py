@@ -19,7 +19,7 @@ from typing import IO
 import fsspec
 
 from stagesafe.errors import StageSafeError, shown
-from stagesafe.handoff.fs import is_local, join
+from stagesafe.storage.fs import is_local, join
 
 __all__ = ["open_in", "open_local", "read_in", "size_of"]
 

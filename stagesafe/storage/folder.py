@@ -1,12 +1,13 @@
-"""A handoff's folder: its file system, its path and the retry policy, and the storage calls every step makes.
+"""A folder on any fsspec store: its file system, its path and the retry policy, and the storage calls every step
+of a writer or reader makes. Nothing here knows what the files hold.
 
-Every storage operation of the handoff steps goes through :meth:`HandoffFolder.transfer`: tried again on
-transient errors (:mod:`stagesafe.handoff.retry`); after the last try, or on a refusal such as a missing bucket
+Every storage operation goes through :meth:`Folder.transfer`: tried again on
+transient errors (:mod:`stagesafe.storage.retry`); after the last try, or on a refusal such as a missing bucket
 or denied access, a ``StorageTransferError`` names the file, the URL and what to do. Every file is published
-through :meth:`HandoffFolder.write`, atomically (:func:`stagesafe.handoff.fs.write_atomic`). Also the probes
+through :meth:`Folder.write`, atomically (:func:`stagesafe.storage.fs.write_atomic`). Also the probes
 of a folder the strategy makes before any stage: :func:`check_writable`, :func:`write_probe`,
 :func:`read_small`, :func:`remove_file`. :func:`each` runs a transfer over many shards a few at a time, and
-stops the others at the first failure: the one parallel loop of the handoff steps.
+stops the others at the first failure: the one parallel loop over a folder's files.
 """
 
 from __future__ import annotations
@@ -23,14 +24,12 @@ from typing import Any, TypeVar
 import fsspec
 
 from stagesafe.errors import InvalidArgumentError, StorageTransferError
-from stagesafe.handoff.fs import basename, is_local, join, resolve, url_of, write_atomic
-from stagesafe.handoff.manifest import MANIFEST_NAME, temp_name
-from stagesafe.handoff.retry import RetryPolicy, TransferAbandoned, call_with_retries
-from stagesafe.handoff.workers import Workers
+from stagesafe.storage.fs import basename, is_local, join, resolve, url_of, write_atomic
+from stagesafe.storage.retry import RetryPolicy, TransferAbandoned, call_with_retries
+from stagesafe.storage.workers import Workers
 
 __all__ = [
-    "UNCHANGED",
-    "HandoffFolder",
+    "Folder",
     "check_retry",
     "check_workers",
     "check_writable",
@@ -43,14 +42,13 @@ __all__ = [
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 _LOCAL_WORKERS = 4  # on a local disk, at most the CPU count
 _REMOTE_WORKERS = 4  # default shards in flight on a remote filesystem
 _REMOVERS = 8  # files deleted at once
 
 
 @dataclass(frozen=True)
-class HandoffFolder:
+class Folder:
     """The folder ``root`` on ``fs``, whose storage operations are tried as ``retry`` says."""
 
     fs: fsspec.AbstractFileSystem
@@ -58,18 +56,18 @@ class HandoffFolder:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
 
     @classmethod
-    def at(cls, uri: str, storage_options: dict[str, Any] | None = None, *, retry: Any = None) -> HandoffFolder:
-        """The folder at ``uri`` (:func:`~stagesafe.handoff.fs.resolve`), with ``retry`` checked (None: the default)."""
+    def at(cls, uri: str, storage_options: dict[str, Any] | None = None, *, retry: Any = None) -> Folder:
+        """The folder at ``uri`` (:func:`~stagesafe.storage.fs.resolve`), with ``retry`` checked (None: the default)."""
         fs, root = resolve(uri, storage_options)
         return cls(fs, root, check_retry(retry))
 
-    def tried_once(self) -> HandoffFolder:
+    def tried_once(self) -> Folder:
         """This folder, its operations tried once: for looks that a later step repeats anyway."""
         return dataclasses.replace(self, retry=RetryPolicy(attempts=1))
 
     @property
     def url(self) -> str:
-        """The folder as messages name it (:func:`~stagesafe.handoff.fs.url_of`)."""
+        """The folder as messages name it (:func:`~stagesafe.storage.fs.url_of`)."""
         return url_of(self.fs, self.root)
 
     def path(self, name: str) -> str:
@@ -180,22 +178,34 @@ def check_workers(workers: Any, fs: fsspec.AbstractFileSystem) -> int:
 
 
 def check_writable(
-    uri: str, *, storage_options: dict[str, Any] | None = None, retry: RetryPolicy | None = None
+    uri: str,
+    name: str,
+    *,
+    storage_options: dict[str, Any] | None = None,
+    retry: RetryPolicy | None = None,
+    hint: str = "",
 ) -> None:
-    """Fail now rather than after a stage: write and delete a small temporary file under ``uri`` (a path that
-    cannot be created, missing credentials or permissions, no such bucket)."""
+    """Fail now rather than after a stage: write and delete a small file ``name`` under ``uri`` (a path that
+    cannot be created, missing credentials or permissions, no such bucket). Give a name that the folder's own
+    cleanup removes, should it be left behind."""
     fs, root = resolve(uri, storage_options)
-    name = temp_name(MANIFEST_NAME)  # a name the store's own cleanup removes, should this be left
-    write_probe(fs, root, name, b"{}", retry=retry)
+    write_probe(fs, root, name, b"{}", retry=retry, hint=hint)
     remove_file(fs, join(root, name))
 
 
 def write_probe(
-    fs: fsspec.AbstractFileSystem, root: str, name: str, data: bytes, *, retry: RetryPolicy | None = None
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    name: str,
+    data: bytes,
+    *,
+    retry: RetryPolicy | None = None,
+    hint: str = "",
 ) -> None:
-    """Write a small file ``name`` under ``root``, with the store's errors for a folder that cannot be written."""
-    folder = HandoffFolder(fs, root, check_retry(retry))
-    folder.transfer(lambda: folder.write(name, data), what=f"write to {folder.url!r}", hint=UNCHANGED, writing=True)
+    """Write a small file ``name`` under ``root``, with the store's errors for a folder that cannot be written
+    (``hint`` ends them: what the failure left as it was)."""
+    folder = Folder(fs, root, check_retry(retry))
+    folder.transfer(lambda: folder.write(name, data), what=f"write to {folder.url!r}", hint=hint, writing=True)
 
 
 def read_small(fs: fsspec.AbstractFileSystem, path: str, *, limit: int = 4096) -> bytes | None:

@@ -1,4 +1,5 @@
-"""fsspec plumbing shared by the store and the CLI: URL resolution with clear backend errors, atomic writes.
+"""fsspec plumbing under every folder stagesafe writes or reads: URL resolution with clear backend errors, atomic
+writes (under a :func:`~stagesafe.storage.temp_names.temp_name` on a local disk).
 
 Paths are ``str`` URLs resolved once with ``fsspec.core.url_to_fs``; paths on a filesystem are joined with
 ``/``, never ``os.path.join``, so ``s3://bucket/run`` stays a URL.
@@ -7,10 +8,10 @@ Paths are ``str`` URLs resolved once with ``fsspec.core.url_to_fs``; paths on a 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable
 import importlib.util
 import os
 import re
+from collections.abc import Iterable
 from typing import Any
 
 import fsspec
@@ -18,9 +19,9 @@ from fsspec.core import split_protocol, url_to_fs
 from fsspec.implementations.local import LocalFileSystem
 from fsspec.registry import known_implementations, registry
 
-from stagesafe.handoff.manifest import temp_name
-from stagesafe.handoff.writeback import EVERY, start_writeback
 from stagesafe.errors import InvalidArgumentError, StorageBackendError, shown
+from stagesafe.storage.temp_names import temp_name
+from stagesafe.storage.writeback import EVERY, start_writeback
 
 __all__ = [
     "basename",

@@ -1,0 +1,90 @@
+"""The plan of a state dict's tensors: each entry checked (a tensor safetensors stores), tied weights found (the
+same view of the same memory, stored once), then :func:`~stagesafe.handoff.plan.plan_specs` on their dtypes and
+shapes. The only planning that looks at torch tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from stagesafe.errors import InvalidArgumentError
+from stagesafe.handoff import codec
+from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_specs, supported_dtype
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["plan_handoff"]
+
+
+def plan_handoff(
+    state_dict: Mapping[str, torch.Tensor],
+    *,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+    taken: Iterable[str] = (),
+    tag: str | None = None,
+) -> HandoffPlan:
+    """Plan the shards of ``state_dict`` (:func:`plan_specs` on its tensors), every entry checked first.
+
+    Names that are the very same tensor view (tied weights) are stored once, under the first name; the others
+    become aliases. ``tag`` fixes the names' tag, so that several ranks plan alike; without it, the names avoid
+    those in ``taken``.
+    """
+    limit = parse_size(max_shard_size)
+    if not isinstance(state_dict, Mapping):
+        raise InvalidArgumentError(
+            f"state_dict must be a mapping of str to torch.Tensor, got {type(state_dict).__name__}"
+        )
+    specs: dict[str, dict[str, Any]] = {}
+    aliases: dict[str, str] = {}
+    first_of: dict[tuple, str] = {}
+    for name, tensor in state_dict.items():
+        _check_entry(name, tensor)
+        specs[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        key = _view_identity(tensor)
+        if key is not None:
+            canonical = first_of.setdefault(key, name)
+            if canonical != name:
+                aliases[name] = canonical
+    return plan_specs(specs, aliases, max_shard_size=limit, tag=tag, taken=taken, state_dict=state_dict)
+
+
+def _check_entry(name: Any, tensor: Any) -> None:
+    import torch
+
+    codec.check_name(name)
+    where = f"state_dict[{name!r}]"
+    if not isinstance(tensor, torch.Tensor):
+        raise InvalidArgumentError(
+            f"{where} is a {type(tensor).__name__}, not a torch.Tensor; a handoff stores tensors only "
+            "(drop the entry, or put JSON values in metadata)"
+        )
+    if tensor.layout != torch.strided:
+        raise InvalidArgumentError(
+            f"{where} has layout {tensor.layout}; safetensors stores dense tensors: pass .to_dense()"
+        )
+    if tensor.device.type == "meta":
+        raise InvalidArgumentError(
+            f"{where} is on the meta device and has no data (a ZeRO-3 parameter that was not gathered?); "
+            "gather the full weights first"
+        )
+    if not supported_dtype(dtype_name(tensor.dtype)):
+        raise InvalidArgumentError(
+            f"{where} has dtype {tensor.dtype}, which safetensors cannot store; convert it first"
+        )
+
+
+def _view_identity(tensor: torch.Tensor) -> tuple | None:
+    """Equal for two tensors exactly when they are the same view of the same memory (tied weights)."""
+    if tensor.numel() == 0:
+        return None  # empty tensors share no bytes; distinct ones may even report the same null pointer
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    )
