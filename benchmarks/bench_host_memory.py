@@ -7,6 +7,8 @@ One H200, the GPT of bench_leave_fit.py at 4.84B parameters (a run of each, one 
 CPU, 2 processes, a 200M-parameter MLP:
     DS_ACCELERATOR=cpu python benchmarks/bench_host_memory.py --model mlp --layers 48 --width 2048 \
         --sequence fit fit fit test
+The same with the optimizer state handed off beside the weights at each fit's end (``--handoff-optimizer-state``):
+the fit windows' peaks and the seconds of leaving each call, beside a run without it.
 
 bf16-mixed, ZeRO-3, AdamW, a new Trainer per call (``--steps`` optimizer steps per fit). Every rank measures its
 own process: RSS when the module is built, then per call the RSS before it, its peak and the RSS after it. The
@@ -124,7 +126,7 @@ def run_sequence(args: argparse.Namespace, rows: list) -> dict:
     for call in args.sequence:
         strategy = stagesafe.StageSafeDeepSpeedStrategy(
             stage=3, handoff_uri=os.path.join(args.root, "handoff"), keep_optimizer_state=not args.no_keep,
-            between_stages=args.between_stages,
+            between_stages=args.between_stages, handoff_optimizer_state=args.handoff_optimizer_state,
         )
         trainer = trainer_for(args, strategy)
         with Window(rows, call):
@@ -135,6 +137,10 @@ def run_sequence(args: argparse.Namespace, rows: list) -> dict:
             else:
                 trainer.predict(module, dataloaders=loader(args))
         rows[-1]["kept_bytes"] = kept_bytes(module)
+        report = strategy.last_boundary
+        if report is not None:  # leaving the call: the boundary, and of it the optimizer state's hand-off
+            rows[-1]["boundary_s"] = report.seconds
+            rows[-1]["optimizer_state_s"] = report.phases.get("optimizer_state")
         del trainer
     with Window(rows, "wait"):
         strategy.wait_for_handoff()
@@ -181,7 +187,8 @@ def show(everyone: list, info: dict, args: argparse.Namespace) -> None:
     params = info["parameters"]
     print(f"\nmodel: {args.model}, {params / 1e9:.3f}B parameters ({params * 4 / GIB:.1f} GiB fp32); "
           f"{args.devices} x {args.accelerator}; {'stock DeepSpeedStrategy' if args.stock else 'stagesafe'}"
-          + ("" if args.stock else f", keep_optimizer_state={not args.no_keep}, between_stages={args.between_stages!r}"))
+          + ("" if args.stock else f", keep_optimizer_state={not args.no_keep}, between_stages={args.between_stages!r}, "
+             f"handoff_optimizer_state={args.handoff_optimizer_state}"))
     print(f"{'rank':>4} {'call':>8} {'RSS before':>11} {'peak':>9} {'after':>9} {'peak-before':>12} "
           f"{'B/param':>8} {'kept':>9} {'GPU peak':>9} {'s':>7}  (GiB)")
     for rank, rows in enumerate(everyone):
@@ -191,6 +198,12 @@ def show(everyone: list, info: dict, args: argparse.Namespace) -> None:
             print(f"{rank:>4} {row['call']:>8} {row['rss_before'] / GIB:11.1f} {row['rss_peak'] / GIB:9.1f} "
                   f"{row['rss_after'] / GIB:9.1f} {(row['rss_peak'] - row['rss_before']) / GIB:12.1f} "
                   f"{row['rss_peak'] / params:8.1f} {kept} {gpu} {row['seconds']:7.1f}")
+    for rank, rows in enumerate(everyone):
+        for row in rows:
+            if row.get("boundary_s") is not None:
+                state = row.get("optimizer_state_s")
+                print(f"rank {rank} {row['call']}: leaving it took {row['boundary_s']:.3f} s"
+                      + (f", of which handing off the optimizer state {state:.3f} s" if state is not None else ""))
     for key in ("live_host_tensors", "live_host_bytes", "live_host_bytes_optimizer_state",
                 "live_host_tensors_optimizer_state"):
         if key in info:
@@ -210,6 +223,7 @@ def main() -> None:
                         choices=("fit", "test", "predict"))
     parser.add_argument("--stock", action="store_true", help="one fit under stock DeepSpeedStrategy instead")
     parser.add_argument("--no-keep", action="store_true", help="keep_optimizer_state=False")
+    parser.add_argument("--handoff-optimizer-state", action="store_true", help="handoff_optimizer_state=True")
     parser.add_argument("--between-stages", default="cpu", choices=("cpu", "meta"))
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-host-memory"))
     parser.add_argument("--json", default=None, help="also write every rank's rows here (rank 0)")

@@ -55,6 +55,7 @@ from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
     check_local_handoff,
+    check_optimizer_handoff,
     check_positional,
     check_zero_stage,
     checked_bool,
@@ -112,6 +113,12 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             and ``fit(ckpt_path=path)`` continues exactly (8 bytes per parameter over the ranks with AdamW: its
             fp32 masters are the module's own values). The next ``fit`` lets it go as it starts. ``False`` saves
             that host memory; such a checkpoint then holds weights only, and ``save_checkpoint`` warns.
+        handoff_optimizer_state: ``False`` (default). ``True``: the handoff written at the end of a ``fit`` that
+            trained also holds the optimizer state, per parameter, in the form ``stagesafe consolidate
+            --optimizer`` writes (fp32 moments keyed by parameter name, step counts and hyperparameters as JSON,
+            in ``<handoff>/optimizer-<tag>``, bound by the weights' manifest): a job of any number of ranks
+            continues it with ``resume_from=<handoff>``. Written while the engine lives, before the weights, one
+            shard at a time on rank 0 (8 bytes per parameter with AdamW). Not with ``between_stages="meta"``.
         overwrite_handoff: ``False`` (default): a committed handoff of another run at ``handoff_uri`` is never
             replaced: a ``handoff_uri`` you named is refused at the first call with
             :class:`~stagesafe.HandoffExistsError`, the default folder gives way to ``stagesafe_handoff-v1``,
@@ -135,6 +142,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         wait_for_write: bool = False,
         keep_optimizer_state: bool = True,
         check_host_memory: bool = True,
+        handoff_optimizer_state: bool = False,
         overwrite_handoff: bool = False,
         config: Optional[Union[_PATH, dict[str, Any]]] = None,
         **kwargs: Any,
@@ -165,6 +173,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         self.wait_for_write = checked_bool("wait_for_write", wait_for_write)
         self.keep_optimizer_state = checked_bool("keep_optimizer_state", keep_optimizer_state)
         self.check_host_memory = checked_bool("check_host_memory", check_host_memory)
+        self.handoff_optimizer_state = checked_bool("handoff_optimizer_state", handoff_optimizer_state)
+        check_optimizer_handoff(self.handoff_optimizer_state, between_stages=between_stages)
         checked_bool("exclude_frozen_parameters", self.exclude_frozen_parameters)  # Lightning's; the handoff honours it
         self.overwrite_handoff = checked_bool("overwrite_handoff", overwrite_handoff)
         self._claimed: dict[str, str] = {}  # the folder asked for -> the one this run writes (see ownership)
@@ -267,6 +277,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             keep_optimizer_state=self.keep_optimizer_state,
             exclude_frozen=self.exclude_frozen_parameters,
             check_host_memory=self.check_host_memory,
+            handoff_optimizer_state=self.handoff_optimizer_state,
         )
 
     def _writer_for(self, target: HandoffTarget) -> HandoffWriter:

@@ -20,6 +20,7 @@ __all__ = [
     "check_between_stages",
     "check_keywords",
     "check_local_handoff",
+    "check_optimizer_handoff",
     "check_positional",
     "check_zero_stage",
     "checked_bool",
@@ -109,6 +110,18 @@ def check_between_stages(value: Any, *, zero_stage_3: Optional[bool]) -> None:
         raise InvalidArgumentError(
             "between_stages='meta' needs ZeRO stage 3 (stage=3): stages 1 and 2 keep whole weights on every "
             "rank, so an engine cannot be built from the handoff one submodule at a time; use 'cpu'"
+        )
+
+
+def check_optimizer_handoff(value: bool, *, between_stages: str) -> None:
+    """``handoff_optimizer_state=True`` needs the engine's state at the fit's end before its weights are written:
+    ``between_stages="meta"`` streams the weights out of the engine first, one tensor at a time."""
+    if value and between_stages == "meta":
+        raise InvalidArgumentError(
+            "handoff_optimizer_state=True with between_stages='meta': the meta mode writes a fit's weights one "
+            "tensor at a time while gathering them, before the optimizer state could be committed for them to name; "
+            "use between_stages='cpu', or save a checkpoint (trainer.save_checkpoint) and run "
+            "`stagesafe consolidate --optimizer` on it"
         )
 
 

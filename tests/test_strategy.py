@@ -32,6 +32,8 @@ def test_urls_must_be_strings_of_a_known_protocol(name):
         ({"max_shard_size": 0}, "max_shard_size=0 is not a size"),
         ({"between_stages": "gpu"}, "choose 'cpu'"),
         ({"stage": 2, "between_stages": "meta"}, "needs ZeRO stage 3"),
+        ({"stage": 3, "between_stages": "meta", "handoff_optimizer_state": True},
+         r"handoff_optimizer_state=True with between_stages='meta'.*use between_stages='cpu'"),
     ],
 )
 def test_bad_values_are_refused_when_the_strategy_is_made(kwargs, pattern):
@@ -109,7 +111,8 @@ def test_a_local_resume_from_that_is_not_a_handoff_fails_when_the_strategy_is_ma
         StageSafeDeepSpeedStrategy(resume_from=str(tmp_path / "empty"))
 
 
-FLAGS = ["wait_for_write", "keep_optimizer_state", "check_host_memory", "exclude_frozen_parameters"]
+FLAGS = ["wait_for_write", "keep_optimizer_state", "check_host_memory", "exclude_frozen_parameters",
+         "handoff_optimizer_state"]
 
 
 @pytest.mark.parametrize("name", FLAGS)

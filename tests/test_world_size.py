@@ -317,3 +317,70 @@ def test_what_the_form_cannot_resume_is_refused_naming_what_differs(root, varian
     assert error is not None and error["type"] == says[0] and error["steps"] == 0, error
     for part in says[1:]:
         assert part in error["message"], error["message"]
+
+
+# -- the same form written by the strategy at a fit's end: StageSafeDeepSpeedStrategy(handoff_optimizer_state=True) --
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_fit_hands_off_its_optimizer_state_as_consolidate_writes_it(root, stage):
+    """A fit of 2 ranks with the argument on: its handoff holds the optimizer state beside the weights, equal
+    bitwise to what the engine held at the fit's end (masters in the weights, both moments in the state) and to
+    `stagesafe consolidate --optimizer` of the checkpoint saved after the fit; the same JSON; `verify` passes."""
+    from stagesafe import load_state_dict
+    from stagesafe.cli import main
+    from stagesafe.handoff.optimizer_state import open_form
+
+    out = _saved(root, stage, 2, "stagesafe-state")
+    handoff = f"{out}/saved-handoff"
+    assert main(["verify", "-q", handoff]) == 0
+    form = open_form(handoff)
+    assert form is not None and form.keys == ("exp_avg", "exp_avg_sq")
+    state, weights = load_state_dict(form.url), load_state_dict(handoff)
+    captured = _tensors(f"{out}/saved.safetensors")
+    assert {n for n in captured if not n.startswith("master/")} == set(state)
+    for name, value in captured.items():
+        key, _, parameter = name.partition("/")
+        got = weights[parameter] if key == "master" else state[name]
+        assert torch.equal(got.view(torch.uint8), value.view(torch.uint8)), f"{name} differs"
+    consolidated = os.path.join(out, "consolidated")
+    if not os.path.exists(consolidated):
+        assert main(["consolidate", "--optimizer", "-q", f"{out}/ckpt", consolidated]) == 0
+    reference = open_form(consolidated)
+    expected = load_state_dict(reference.url)
+    assert set(expected) == set(state)
+    for name, value in expected.items():
+        assert torch.equal(state[name].view(torch.uint8), value.view(torch.uint8)), f"{name} differs"
+    assert [(sorted(g.params), g.hyperparameters, g.state) for g in form.groups] == [
+        (sorted(g.params), g.hyperparameters, g.state) for g in reference.groups]
+    assert form.loss_scaler == reference.loss_scaler
+    assert form.groups[0].state["step"]["value"] == float(_json(f"{out}/saved.json")["global_step"])
+    assert form.source["world_size"] == 2 and form.source["zero_stage"] == stage
+
+
+@pytest.mark.parametrize(("stage", "resumed"), [(2, 1), (2, 3), (3, 1), (3, 3)])
+def test_resume_from_the_handoff_of_a_fit_continues_its_optimizer_bitwise(root, stage, resumed):
+    """That handoff resumed with resume_from= on 1 and 3 ranks: before the first step the engine holds every fp32
+    master, both Adam moments and the step count exactly as the 2 ranks' engine held them at the fit's end."""
+    out = _saved(root, stage, 2, "stagesafe-state")
+    name = f"fit-form-{resumed}"
+    _from_form(root, out, stage, resumed, f"{out}/saved-handoff", None, name)
+    expected, now = _tensors(f"{out}/saved.safetensors"), _tensors(f"{out}/{name}.safetensors")
+    assert set(now) == set(expected)
+    for tensor, value in expected.items():
+        assert torch.equal(now[tensor].view(torch.uint8), value.view(torch.uint8)), f"{tensor} differs"
+    assert _json(f"{out}/{name}.json")["steps"] == _json(f"{out}/saved.json")["steps"]
+
+
+def test_fit_test_fit_leaves_one_state_bound_and_other_weights_none(root):
+    """fit -> test -> fit under the argument: after each call one optimizer folder, the one the weights name, and
+    `verify` passes; the second fit's state replaced the first's. Weights changed by hand, then written by a
+    test call, name no state, and the last one is deleted with the weights it belonged to."""
+    out = os.path.join(root, "sequence")
+    run_script(SCRIPT, ["sequence", out, "3", "2"], timeout=600, cwd=root)
+    fit, test, again, changed = _json(f"{out}/sequence.json")
+    assert [s["call"] for s in (fit, test, again, changed)] == ["fit", "test", "fit-again", "test-changed"]
+    for step in (fit, test, again):
+        assert len(step["folders"]) == 1 and step["bound"] == step["folders"][0] and step["verify"] == 0, step
+    assert test["bound"] == fit["bound"] and again["bound"] != fit["bound"]
+    assert changed == {"call": "test-changed", "folders": [], "bound": None, "verify": 0}

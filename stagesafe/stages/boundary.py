@@ -40,6 +40,7 @@ from stagesafe.stages.history import (
     new_history,
     state_tensors,
 )
+from stagesafe.stages.optimizer_handoff import forget_optimizer_handoff, write_optimizer_handoff
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
 from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.weight_source import WeightSource, weight_sources
@@ -50,6 +51,9 @@ from stagesafe.zero import engine as zero_engine
 __all__ = ["StageBoundary", "StageOptions", "assert_clean"]
 
 log = logging.getLogger(__name__)
+
+# What the optimizer state's JSON says of where it comes from, beside the weights' own metadata.
+_SOURCE_KEYS = ("stage", "global_step", "epoch", "world_size", "zero_stage")
 
 # Sources of weights that come from this stage: the handoff's metadata names it.
 _FROM_THIS_STAGE = (WeightSource.STREAMED, WeightSource.MASTERS, WeightSource.CHECKPOINT)
@@ -66,6 +70,8 @@ class StageOptions:
     a training stage's end keeps this rank's files of DeepSpeed's checkpoint (``exclude_frozen``: without
     frozen parameters, as ``save_checkpoint`` would). ``check_host_memory``: a training stage asks the host
     for its end's memory before its first step (:mod:`~stagesafe.stages.host_budget`).
+    ``handoff_optimizer_state``: a training stage's end writes the optimizer state beside the weights, per
+    parameter (:mod:`~stagesafe.stages.optimizer_handoff`).
     """
 
     stage: str
@@ -77,6 +83,7 @@ class StageOptions:
     keep_optimizer_state: bool = True
     exclude_frozen: bool = False
     check_host_memory: bool = True
+    handoff_optimizer_state: bool = False
 
 
 @dataclass
@@ -204,6 +211,7 @@ class StageBoundary:
             history.weights_from = {"resumed_from": resume_from.uri}
             if bound is not None:  # written again where they were read, the weights still name their optimizer state
                 history.weights_from["optimizer"] = bound
+                history.bind_state(resume_from.uri, tensors)
         return tensors, history
 
     def _resume(self, source: HandoffTarget) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
@@ -354,7 +362,7 @@ class StageBoundary:
             meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
             keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
                                      background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure,
-                                     write=not failed or self._stepped)
+                                     write=not failed or self._stepped, state=not failed)
         except BaseException:
             self._end.release_kept_state_hold()  # no copy will come to end the hold
             raise
@@ -369,9 +377,10 @@ class StageBoundary:
     def _leave(
         self, engine: Any | None, history: ModuleHistory, *, trained: bool, weights_from: Mapping[str, Any],
         gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: PhaseClock,
-        failure: FirstFailure, write: bool = True,
+        failure: FirstFailure, write: bool = True, state: bool = True,
     ) -> bool:
-        """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device."""
+        """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device. ``state``: the
+        optimizer state may be handed off (every rank ended the call well)."""
         host = self._end.weights_ready()
         clock("host_memory_ready")
         sources = self._weight_sources(engine, history, trained=trained, gather=gather)
@@ -380,11 +389,14 @@ class StageBoundary:
         clock("consolidate")
         if taken.gathered is not None:  # of which: waiting for the device's copies (the rest is the host's)
             self.report.phases["consolidate_device_wait"] = taken.gathered.waited
+        state_folder = self._hand_off_optimizer(engine, taken, history, failure) if state and gather else None
         kept, later = self._keep_engine_state(engine, taken, history, lr_schedulers, clock, later=background)
         self._destroy(engine)
         clock("destroy")
         handoff = self._restore(taken, history)
         restored = state_tensors(self.module)
+        if state_folder is not None:
+            history.bind_state(self.target.uri, restored)
         self._remember(kept, history, restored, copied=later is None)
         keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
         copy_kept = self._end.kept_state_copy(later, history) if later is not None else None
@@ -393,7 +405,8 @@ class StageBoundary:
                      self.options.stage, self.target.uri)
             handoff = None
         if not self._publish(taken, history, handoff, restored, failure, gather=gather,
-                             background=background and not keeps_meta, keep=copy_kept) and copy_kept is not None:
+                             background=background and not keeps_meta, keep=copy_kept,
+                             state_folder=state_folder) and copy_kept is not None:
             copy_kept()  # no write took it to its device thread: now
         clock("publish")
         return keeps_meta
@@ -490,6 +503,23 @@ class StageBoundary:
             return _Taken(source, self._entry_values(history))
         return _Taken(source)  # the handoff holds them: the module takes nothing back
 
+    def _hand_off_optimizer(
+        self, engine: Any | None, taken: _Taken, history: ModuleHistory, failure: FirstFailure
+    ) -> str | None:
+        """Where asked, the trained engine's optimizer state goes beside the handoff now, while the engine lives,
+        committed before the weights, which then name it. Returns its folder; a failure (the optimizer's state is
+        not per parameter, storage) is raised once the weights are safe, which are written without it."""
+        if not self.options.handoff_optimizer_state or engine is None or taken.source is not WeightSource.MASTERS:
+            return None
+        source = {"written_by": "StageSafeDeepSpeedStrategy", "url": self.target.uri,
+                  **{k: history.weights_from[k] for k in _SOURCE_KEYS if k in history.weights_from}}
+        bound = failure.attempt(lambda: write_optimizer_handoff(engine, self.target, source=source,
+                                                                phases=self.report.phases))
+        if bound is None:
+            return None
+        history.weights_from["optimizer"] = bound
+        return bound["folder"]
+
     def _keep_engine_state(
         self, engine: Any, taken: _Taken, history: ModuleHistory, lr_schedulers: Sequence[Mapping[str, Any]],
         clock: PhaseClock, *, later: bool,
@@ -556,10 +586,13 @@ class StageBoundary:
         gather: bool,
         background: bool,
         keep: Callable[[], None] | None = None,
+        state_folder: str | None = None,
     ) -> bool:
         """Have the handoff written when it does not hold the module's weights: by the writer, with every rank
         here (a foreground write is joined now; its failure is noted); otherwise by rank 0 alone. Whether a
-        background write took ``keep`` (device work of this boundary's) to its device thread."""
+        background write took ``keep`` (device work of this boundary's) to its device thread. ``state_folder``:
+        the optimizer state this stage wrote for these weights, deleted if they are not committed."""
+        forget = (lambda: forget_optimizer_handoff(self.target, state_folder)) if state_folder is not None else None
         if WeightSource.STREAMED in taken.failed:
             history.lost()  # its write failed: the next stage writes the weights the module now holds
             self._end.unlock()
@@ -570,7 +603,8 @@ class StageBoundary:
             self._publisher.alone(history, handoff)
         else:
             keep = keep if background else None
-            self._publisher.start(history, handoff, restored, gathered=taken.gathered, background=background, keep=keep)
+            self._publisher.start(history, handoff, restored, gathered=taken.gathered, background=background, keep=keep,
+                                  on_failed=forget)
             if not background:
                 failure.attempt(self.writer.join)  # the module keeps the new weights; then the failure is raised
             return keep is not None

@@ -78,6 +78,7 @@ class ModuleHistory:
     fingerprint: Fingerprint | None = None  # None: no handoff is known to hold the module's weights
     weights_from: dict[str, Any] = field(default_factory=dict)  # {"stage", "global_step", "epoch"} of the weights
     kept: KeptTraining | None = None  # what the last fit's engine held beyond the module's tensors
+    state_bound: tuple[str, Fingerprint] | None = None  # the handoff whose optimizer state is these tensors'
     _writer: "weakref.ref[HandoffWriter] | None" = None
 
     def holds(self, target: HandoffTarget, tensors: Mapping[str, torch.Tensor]) -> bool:
@@ -90,13 +91,29 @@ class ModuleHistory:
         self._writer = weakref.ref(writer)
 
     def lost(self) -> None:
-        """The handoff may not hold the module's weights: the next stage writes them again."""
+        """The handoff may not hold the module's weights: the next stage writes them again, naming no optimizer
+        state (the one it named may be gone with it)."""
         self.fingerprint = None
+        self.state_bound = None
+
+    def bind_state(self, uri: str, tensors: Mapping[str, torch.Tensor]) -> None:
+        """The optimizer state that ``weights_from["optimizer"]`` names, in the handoff at ``uri``, is that of
+        these tensors' values."""
+        self.state_bound = (uri, fingerprint(tensors))
+
+    def binds_state(self, uri: str, tensors: Mapping[str, torch.Tensor] | None) -> bool:
+        """Whether weights written to ``uri`` from these ``tensors`` may name the optimizer state noted with
+        :meth:`bind_state`: the same folder (the state's is inside it), the same values. Any other write names
+        none: a state no weights name goes with the weights it replaces."""
+        if tensors is None or self.state_bound is None:
+            return False
+        return self.state_bound == (uri, fingerprint(tensors))
 
     def moved_tensor(self, name: str, old: torch.Tensor, new: torch.Tensor) -> None:
         """stagesafe copied tensor ``old`` of ``name`` into ``new`` (same values, pages of its own): what was known
         of the one holds of the other (which handoff holds it, which kept state belongs to it)."""
-        for prints in (self.fingerprint, self.kept.fingerprint if self.kept is not None else None):
+        bound = self.state_bound[1] if self.state_bound is not None else None
+        for prints in (self.fingerprint, self.kept.fingerprint if self.kept is not None else None, bound):
             if prints is not None and prints.get(name) == (old.data_ptr(), old._version):
                 prints[name] = (new.data_ptr(), new._version)
 

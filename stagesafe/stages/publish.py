@@ -28,11 +28,17 @@ from stagesafe.zero import engine as zero_engine
 __all__ = ["HandoffPublisher", "handoff_metadata"]
 
 
-def handoff_metadata(history: ModuleHistory) -> dict[str, Any]:
+def handoff_metadata(
+    history: ModuleHistory, uri: str | None = None, tensors: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, Any]:
     """The handoff's metadata: where its weights come from, the module's original dtypes, and the run that
-    writes it (:mod:`~stagesafe.stages.ownership`)."""
+    writes it (:mod:`~stagesafe.stages.ownership`). The optimizer state the weights were bound to is named only
+    where weights of ``tensors``' values go to ``uri`` again (:meth:`ModuleHistory.binds_state`)."""
     dtypes = {n: str(dtype).removeprefix("torch.") for n, (dtype, _) in history.original.items()}
-    return {**history.weights_from, "original_dtypes": dtypes, "run": dict(RUN)}
+    metadata = {**history.weights_from, "original_dtypes": dtypes, "run": dict(RUN)}
+    if uri is None or not history.binds_state(uri, tensors):
+        metadata.pop("optimizer", None)
+    return metadata
 
 
 class HandoffPublisher:
@@ -61,11 +67,13 @@ class HandoffPublisher:
         gathered: zero_engine.GatheredValues | None,
         background: bool,
         keep: Callable[[], None] | None = None,
+        on_failed: Callable[[], None] | None = None,
     ) -> None:
         """Start the writer on ``values``, which the module's ``tensors`` hold, with the plan the stage made at its
         entry. A write that may outlast the call (``background``) reads private copies of the shards this rank
         writes. ``keep``: device work of the boundary's own for the writer's device thread, after those copies
-        (the kept optimizer state's)."""
+        (the kept optimizer state's). ``on_failed``: more to undo, on every rank, if the write fails (the optimizer
+        state this stage wrote for these weights)."""
         plan = self._end.plan_matching(values)
         mine = self._end.written_here or set()
         self._report.wrote = True
@@ -80,11 +88,11 @@ class HandoffPublisher:
             uri=self._target.uri,
             storage_options=self._target.storage_options,
             max_shard_size=self._end.max_shard_size,
-            metadata=handoff_metadata(history),
+            metadata=handoff_metadata(history, self._target.uri, tensors),
             fill=fill,
             unlock=self._end.after_call,
             phases=self._report.phases,
-            on_failed=history.lost,
+            on_failed=history.lost if on_failed is None else _both(history.lost, on_failed),
             keep=keep,
         )
         history.written(self._target, tensors, self._writer)
@@ -155,6 +163,14 @@ class HandoffPublisher:
             private.update(gathered.private_copies(end.private_buffers()))
 
         return private, fill
+
+
+def _both(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _memory(tensor: torch.Tensor) -> tuple:

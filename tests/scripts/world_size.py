@@ -21,6 +21,11 @@ PHASE ``form``: WRITER is the URL of a handoff written by ``stagesafe consolidat
   (``STAGESAFE_TEST_RECORD``, default ``form-M``). A URL ending in ``#validate``: ``validate`` first, then the
   fit; ``#validate-here``: the same, writing the handoff where it resumed from (``handoff_uri=URL``). Ending in ``#plain``, ``#extra``, ``#frozen`` or ``#sgd``: that module (see ``refuse``), expected to be
   refused: rank 0 records the error every rank raised (or null) in ``OUT/form-refused-<what>-M.json``.
+WRITER ``stagesafe-state``: the strategy hands off the optimizer state beside the weights
+  (``handoff_optimizer_state=True``), into ``OUT/saved-handoff``, which the ``form`` phase resumes from.
+PHASE ``sequence``: fit -> test -> fit -> (weights changed) test under ``handoff_optimizer_state=True``; after
+  each call rank 0 records the optimizer folders of the handoff, the one bound, and ``stagesafe verify``'s exit
+  status in ``OUT/sequence.json``.
 Lightning starts the other ranks by running this command line again.
 """
 
@@ -167,11 +172,54 @@ def resume_from_form(out: str, stage: int, ranks: int, url: str) -> None:
             json.dump(error, f)
 
 
+def sequence(out: str, stage: int, ranks: int) -> None:
+    """fit -> test -> fit under ``handoff_optimizer_state=True``, then the weights changed by hand and a test:
+    after each call rank 0 records the optimizer folders in the handoff, the one its weights name, and what
+    ``stagesafe verify`` says, in ``OUT/sequence.json``."""
+    from stagesafe.cli import main as cli
+    from stagesafe.handoff.optimizer_state import bound_folder
+
+    url, steps = f"{out}/seq-handoff", []
+    module = new_module()
+
+    def note(call: str, t: pl.Trainer) -> None:
+        t.strategy.wait_for_handoff()
+        if dist.get_rank() == 0:
+            folders = sorted(d for d in os.listdir(url) if d.startswith("optimizer-"))
+            steps.append({"call": call, "folders": folders, "bound": bound_folder(stagesafe.read_manifest(url)),
+                          "verify": cli(["verify", "-q", url])})
+        dist.barrier()
+
+    def strategy() -> StageSafeDeepSpeedStrategy:
+        return StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=url, overwrite_handoff=True,
+                                          handoff_optimizer_state=True)
+
+    t = trainer(strategy(), ranks, pl.Callback(), max_epochs=1)
+    t.fit(module, dataloader())
+    note("fit", t)
+    t.test(module, dataloader(), verbose=False)
+    note("test", t)
+    t = trainer(strategy(), ranks, pl.Callback(), max_epochs=2)
+    t.fit(module, dataloader())
+    note("fit-again", t)
+    with torch.no_grad():
+        module.backbone.head.weight.add_(1.0)
+    t.test(module, dataloader(), verbose=False)
+    note("test-changed", t)
+    if dist.get_rank() == 0:
+        with open(f"{out}/sequence.json", "w") as f:
+            json.dump(steps, f)
+        print("DONE sequence", ranks)
+
+
 def main() -> None:
     phase, out, stage, ranks, *rest = sys.argv[1:]
     stage, ranks, writer = int(stage), int(ranks), (rest[0] if rest else "stagesafe")
     frozen = writer.endswith("-frozen")  # the module's hidden layer is frozen: ZeRO-3 partitions it too
     os.makedirs(out, exist_ok=True)
+    if phase == "sequence":
+        sequence(out, stage, ranks)
+        return
     if phase in ("refuse", "form"):
         (refuse if phase == "refuse" else resume_from_form)(out, stage, ranks, writer)
         if dist.get_rank() == 0:
@@ -180,7 +228,8 @@ def main() -> None:
     module = new_module("frozen" if frozen else "")
     if phase == "save":
         strategy = (CPUCapableDeepSpeedStrategy(stage=stage) if writer.startswith("stock")
-                    else StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/saved-handoff"))
+                    else StageSafeDeepSpeedStrategy(stage=stage, handoff_uri=f"{out}/saved-handoff",
+                                                    handoff_optimizer_state=writer.endswith("-state")))
         t = trainer(strategy, ranks, Record("end", f"{out}/saved"), max_epochs=1)
         t.fit(module, dataloader())
         t.save_checkpoint(f"{out}/ckpt")
