@@ -4,6 +4,7 @@ the staging buffer in batches no larger than half of it, and every element lands
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from stagesafe.zero.staged_reads import read_staged
@@ -71,3 +72,16 @@ def test_only_what_direct_refuses_is_staged():
     assert torch.equal(straight, values["big"]) and torch.equal(staged, values["odd"])
     assert source.calls[0] == [("big", 0, 5000, straight.data_ptr())]
     assert [(n, f, c) for n, f, c, _ in source.calls[1]] == [("odd", 0, 37)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_targets_are_staged_through_page_locked_halves_and_arrive_bit_for_bit():
+    values = {"big": torch.randn(3_000_000), "odd": torch.randn(37).bfloat16()}
+    source = _Source(values)
+    targets = {name: torch.full((v.numel(),), 7, dtype=v.dtype, device="cuda") for name, v in values.items()}
+    reads = [("big", None, 0, targets["big"]), ("odd", None, 0, targets["odd"])]
+    took = read_staged(source.read_all, reads, staging_bytes=2**20)  # 12 MB through two halves of 512 KiB
+    assert took == 2**20 and len(source.calls) > 20
+    for name, value in values.items():
+        assert torch.equal(targets[name].cpu().view(torch.uint8), value.view(torch.uint8))

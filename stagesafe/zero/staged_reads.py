@@ -4,7 +4,8 @@ A checkpoint's bytes are read with ``pread`` into host memory; an engine whose p
 otherwise need this rank's whole optimizer partition (12 bytes per parameter with Adam) in host memory before
 DeepSpeed copies it over. :func:`read_staged` reads such targets a batch at a time into a staging buffer of
 at most :data:`STAGING_BYTES` and copies each batch to the device: two halves, page-locked on CUDA, so one
-half is read while the other is copied. Targets in host memory are read straight into, as before.
+half is read while the other is copied (and given back when the reads are done). Targets in host memory are
+read straight into, as before.
 """
 
 from __future__ import annotations
@@ -71,7 +72,11 @@ def read_staged(
     for event in done:
         if event is not None:
             event.synchronize()
-    return half * len(buffers)
+    took = half * len(buffers)
+    del buffers, views
+    if pinned:  # torch keeps freed page-locked memory for reuse: give it back, the load is over
+        getattr(torch._C, "_host_emptyCache", lambda: None)()
+    return took
 
 
 def _aligned(nbytes: int) -> int:

@@ -1,13 +1,13 @@
 """A big model's checkpoint of 2 CPU ranks resumed on one process with ``fit(ckpt_path=)``; the load timed, and its
 host memory sampled (benchmarks/bench_resume.py ``--one-gpu``).
 
-Usage: python resume_big.py PHASE OUT --stage S --hidden H --layers L [--accelerator gpu|cpu]
+Usage: python resume_big.py PHASE OUT --stage S --hidden H --layers L [--accelerator gpu|cpu] [--devices M]
 PHASE ``save``: stock Lightning's DeepSpeed strategy (stagesafe's CPU-enabled base class) on 2 CPU ranks (gloo),
   bf16-mixed, AdamW with weight decay, 2 steps, then ``trainer.save_checkpoint(OUT/ckpt)`` while the engine lives.
-PHASE ``resume``: a new module on one process (the GPU, or the CPU), ``StageSafeDeepSpeedStrategy``,
-  ``fit(ckpt_path=OUT/ckpt, max_steps=3)``: one step after the resume. The strategy's ``load_checkpoint`` (every
+PHASE ``resume``: a new module on one process (the GPU, or the CPU; ``--devices M``: M ranks),
+  ``StageSafeDeepSpeedStrategy``, ``fit(ckpt_path=OUT/ckpt, max_steps=3)``: one step after the resume. The strategy's ``load_checkpoint`` (every
   rank file read by stagesafe's reader, re-partitioned for one rank, put into the engine) is timed, and this
-  process's resident memory sampled every 10 ms meanwhile.
+  process's peak resident memory during it read from the kernel (VmHWM, reset when the load starts).
 Rank 0 prints ``DONE <json>``. DeepSpeed's CPU comm op is not built (``--build-comm-op`` builds it): gloo carries
 the collectives, as it does where the op cannot be built, and a first build takes minutes.
 Lightning starts the other rank by running this command line again.
@@ -16,6 +16,7 @@ Lightning starts the other rank by running this command line again.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import resource
@@ -51,11 +52,14 @@ class BigModule(pl.LightningModule):
 
 
 class RssPeak:
-    """This process's resident memory, sampled every 10 ms on a thread between ``start`` and ``stop``."""
+    """This process's peak resident memory between ``start`` and ``stop``: the kernel's own high-water mark
+    (VmHWM, reset at ``start`` by writing 5 to /proc/self/clear_refs, after the C heap gave its free pages back),
+    and where that cannot be reset, samples every 10 ms on a thread."""
 
     def __init__(self) -> None:
         self.page = os.sysconf("SC_PAGE_SIZE")
-        self.before = self.peak = 0
+        self.before = self.peak = self.after = 0
+        self.exact = False
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -63,7 +67,19 @@ class RssPeak:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * self.page
 
+    @staticmethod
+    def high_water_mark() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
     def start(self) -> None:
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+            self.exact = True
+        except (OSError, AttributeError):
+            self.exact = False
         self.before = self.peak = self.rss()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -76,7 +92,8 @@ class RssPeak:
         self._stop.set()
         assert self._thread is not None
         self._thread.join()
-        self.peak = max(self.peak, self.rss())
+        self.after = self.rss()
+        self.peak = max(self.peak, self.after, self.high_water_mark() if self.exact else 0)
 
 
 def save(args: argparse.Namespace) -> dict:
@@ -117,7 +134,7 @@ def resume(args: argparse.Namespace) -> dict:
     strategy = Timed(stage=args.stage, handoff_uri=f"{args.out}/handoff", overwrite_handoff=True,
                      keep_optimizer_state=False, wait_for_write=True)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator=args.accelerator, devices=1, precision="bf16-mixed", max_steps=3,
+        strategy=strategy, accelerator=args.accelerator, devices=args.devices, precision="bf16-mixed", max_steps=3,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
@@ -127,6 +144,9 @@ def resume(args: argparse.Namespace) -> dict:
         "fit_seconds": time.perf_counter() - start,
         "rss_before_load_mib": peak.before / 2**20,
         "rss_peak_during_load_mib": peak.peak / 2**20,
+        "rss_after_load_mib": peak.after / 2**20,
+        "rss_peak_exact": peak.exact,
+        "devices": args.devices,
         "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
         "global_step": trainer.global_step,
         "parameters": sum(p.numel() for p in module.parameters()),
@@ -145,6 +165,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--devices", type=int, default=1, help="resume: how many ranks resume")
     parser.add_argument("--build-comm-op", action="store_true")
     args = parser.parse_args()
     if not args.build_comm_op:

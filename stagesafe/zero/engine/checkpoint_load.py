@@ -6,10 +6,12 @@ a stage's end: file name -> state): its model states (the counters, the module's
 rank's fragments of the frozen parameters) and its optimizer partition (the fp32 masters, every per-element state
 of the optimizer such as Adam's moments, the step counts, the param groups' hyperparameters, the loss scaler),
 each flat partition filled parameter by parameter from the checkpoint's state
-(:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`), whatever number of ranks wrote it. Only this
-rank's partition is ever in memory; where the engine keeps its fp32 partitions in host memory (an engine on the
-CPU, an offloaded optimizer) they are read straight into them, not held twice. :func:`load_rank_files` then loads
-the files with DeepSpeed's own methods, in the order its ``load_checkpoint`` does after reading its files with
+(:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`), whatever number of ranks wrote it. The
+checkpoint's slices are read into the engine's own tensors (its fp32 masters; the optimizer's per-element state
+where it holds it, else new tensors on the engine's device): in host memory straight into them, on a device
+through a bounded host staging buffer (:func:`~stagesafe.zero.staged_reads.read_staged`), so no rank holds its
+partition twice or in host memory. :func:`load_rank_files` then loads the files with DeepSpeed's own methods (the
+partitions copied onto themselves), in the order its ``load_checkpoint`` does after reading its files with
 ``torch.load`` (which runs code a file names).
 
 What cannot be put into this engine is refused before anything is read into it, naming what differs: another ZeRO
