@@ -5,8 +5,9 @@ parameters, AdamW after 2 steps) is saved by ``--saved`` CPU ranks (gloo), then 
 ``tests/scripts/plain_resume.py``: with stagesafe (``read_rank_files`` + ``load_rank_files``) at each world size of
 ``--resumed``, and with DeepSpeed's ``engine.load_checkpoint`` at the world size that saved (the only one it
 loads). Each load is its own job; measured: the load's wall time on rank 0 (both timed from a barrier to a
-barrier, stagesafe's modules imported before the clock in both) and rank 0's peak RSS for the whole process
-(engine included). Medians over ``--repeat`` rounds, stock and stagesafe in turns within each round.
+barrier, stagesafe's modules imported before the clock in both), rank 0's peak RSS for the whole process
+(engine included), and the resident memory the load itself added at its peak on rank 0 (the kernel's high-water
+mark, reset when the load starts: ``tests/scripts/host_peak.py``). Medians over ``--repeat`` rounds, stock and stagesafe in turns within each round.
 
     python benchmarks/bench_resume.py --stage 3 --hidden 2048 --layers 8 --saved 2 --resumed 1 2 3
     python benchmarks/bench_resume.py --stage 1 --dtype bf16 --hidden 2048 --layers 8
@@ -17,7 +18,7 @@ Prints a Markdown table.
 parameters (bf16-mixed, AdamW, 2 steps) is saved by 2 CPU ranks (gloo) with stock Lightning's DeepSpeed strategy,
 then resumed on one GPU with ``trainer.fit(ckpt_path=)`` under stagesafe (``tests/scripts/resume_big.py``): the
 strategy's ``load_checkpoint`` (every rank file read by stagesafe's reader, re-partitioned for 1 rank, loaded into
-the engine) timed, the process's RSS sampled every 10 ms meanwhile. Beside it, on the same checkpoint, DeepSpeed's
+the engine) timed, the process's peak RSS meanwhile read from the kernel (VmHWM, reset when the load starts). Beside it, on the same checkpoint, DeepSpeed's
 ``ds_to_universal.py`` (the conversion its universal checkpoint needs before any load at another world size):
 wall time and the peak of its process tree's PSS (workers included), sampled every 50 ms. Writes
 ``resume-one-gpu.json``, ``resume-one-gpu.md`` and each step's log under ``--out``; the checkpoint goes under
@@ -178,7 +179,9 @@ def one_gpu(args: argparse.Namespace) -> None:
         "| --- | --- | --- |",
         f"| stagesafe: fit(ckpt_path=) load, re-partitioned 2 -> 1 and in the engine | {ours['load_seconds']:.1f} | "
         f"peak RSS {ours['rss_peak_during_load_mib']:.0f} (before the load {ours['rss_before_load_mib']:.0f}: "
-        f"+{ours['rss_peak_during_load_mib'] - ours['rss_before_load_mib']:.0f}) |",
+        f"+{ours['rss_peak_during_load_mib'] - ours['rss_before_load_mib']:.0f}: "
+        f"{(ours['rss_peak_during_load_mib'] - ours['rss_before_load_mib']) * 2**20 / results['parameters']:.2f} "
+        "bytes per parameter) |",
         f"| DeepSpeed ds_to_universal.py (conversion only; "
         f"{'done' if theirs['finished'] else 'NOT finished, killed at the budget: exit ' + str(theirs['exit_code'])}) "
         f"| {theirs['seconds']:.1f} | "
@@ -225,12 +228,13 @@ def main() -> None:
     params = args.hidden * (args.hidden + 1) * args.layers
     print(f"ZeRO-{args.stage}, {params / 1e6:.1f}M parameters ({args.dtype}, AdamW), saved by {args.saved} CPU ranks; "
           f"medians of {args.repeat}\n")
-    print("| load | ranks | seconds | rank 0 peak RSS (MiB) |")
-    print("| --- | --- | --- | --- |")
+    print("| load | ranks | seconds | rank 0 peak RSS (MiB) | the load's own peak on rank 0: MiB, bytes per parameter |")
+    print("| --- | --- | --- | --- | --- |")
     for (who, ranks), runs in rows.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         peak = statistics.median(r["peak_rss_mib"] for r in runs)
-        print(f"| {who} | {ranks} | {seconds:.2f} | {peak:.0f} |")
+        extra = statistics.median(r["load_peak_extra_mib"] for r in runs)
+        print(f"| {who} | {ranks} | {seconds:.2f} | {peak:.0f} | +{extra:.0f}, {extra * 2**20 / params:.2f} |")
 
 
 if __name__ == "__main__":

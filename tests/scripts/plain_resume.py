@@ -11,7 +11,8 @@ PHASE ``stock``: the same with DeepSpeed's own ``engine.load_checkpoint`` (only 
 PHASE ``form``: the same from ``OUT/form``, the handoff ``stagesafe consolidate --optimizer`` wrote of ``OUT/ckpt``
   (``read_handoff_optimizer``, ``load_optimizer_state``: masters, moments and step counts; the frozen layer and
   the buffers are the new engine's, as initialised), recorded in ``OUT/form-<world size>.safetensors``.
-Rank 0 prints ``DONE {"seconds": load time, "peak_rss_mib": this process's peak}``: a benchmark too, with
+Rank 0 prints ``DONE {"seconds": load time, "peak_rss_mib": this process's peak, "load_peak_extra_mib": the
+resident memory the load added at its peak (tests/scripts/host_peak.py), ...}``: a benchmark too, with
 ``--model big``.
 """
 
@@ -28,6 +29,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from host_peak import RssPeak  # noqa: E402
 from make_zero_checkpoint import BigNet, TinyNet  # noqa: E402
 
 
@@ -111,6 +113,7 @@ def main() -> int:
     world = torch.distributed.get_world_size()
     engine = engine_for(args)
     seconds = 0.0
+    load = RssPeak()
     if args.phase == "save":
         step(engine, args, 2)
         if not args.no_record:
@@ -125,6 +128,7 @@ def main() -> int:
         )
 
         torch.distributed.barrier()
+        load.start()
         start = time.perf_counter()
         if args.phase == "ours":
             files, _ = read_rank_files(engine, f"{args.out}/ckpt")
@@ -136,12 +140,15 @@ def main() -> int:
             engine.load_checkpoint(f"{args.out}/ckpt")
         torch.distributed.barrier()
         seconds = time.perf_counter() - start
+        load.stop()
         if not args.no_record:
             record(engine, f"{args.out}/{args.phase}-{world}.safetensors")
         step(engine, args, 1)  # training goes on
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = max(load.earlier / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if torch.distributed.get_rank() == 0:
-        print("DONE " + json.dumps({"seconds": seconds, "peak_rss_mib": peak}), flush=True)
+        facts = {"seconds": seconds, "peak_rss_mib": peak, "rss_before_load_mib": load.before / 2**20,
+                 "load_peak_extra_mib": (load.peak - load.before) / 2**20, "rss_after_load_mib": load.after / 2**20}
+        print("DONE " + json.dumps(facts), flush=True)
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)  # as make_zero_checkpoint.py: gloo's threads sometimes abort at interpreter teardown

@@ -16,12 +16,10 @@ Lightning starts the other rank by running this command line again.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import resource
 import sys
-import threading
 import time
 
 import lightning.pytorch as pl
@@ -30,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from host_peak import RssPeak  # noqa: E402
 from make_zero_checkpoint import BigNet  # noqa: E402
 
 
@@ -49,51 +48,6 @@ class BigModule(pl.LightningModule):
     def train_dataloader(self):
         torch.manual_seed(0)
         return DataLoader(TensorDataset(torch.randn(64, self.hidden)), batch_size=2)
-
-
-class RssPeak:
-    """This process's peak resident memory between ``start`` and ``stop``: the kernel's own high-water mark
-    (VmHWM, reset at ``start`` by writing 5 to /proc/self/clear_refs, after the C heap gave its free pages back),
-    and where that cannot be reset, samples every 10 ms on a thread."""
-
-    def __init__(self) -> None:
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.before = self.peak = self.after = 0
-        self.exact = False
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    @staticmethod
-    def high_water_mark() -> int:
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-
-    def start(self) -> None:
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")
-            self.exact = True
-        except (OSError, AttributeError):
-            self.exact = False
-        self.before = self.peak = self.rss()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.rss())
-
-    def stop(self) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        self.after = self.rss()
-        self.peak = max(self.peak, self.after, self.high_water_mark() if self.exact else 0)
 
 
 def save(args: argparse.Namespace) -> dict:
@@ -147,7 +101,7 @@ def resume(args: argparse.Namespace) -> dict:
         "rss_after_load_mib": peak.after / 2**20,
         "rss_peak_exact": peak.exact,
         "devices": args.devices,
-        "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "process_peak_rss_mib": max(peak.earlier, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
         "global_step": trainer.global_step,
         "parameters": sum(p.numel() for p in module.parameters()),
     }
