@@ -11,6 +11,10 @@ mark, reset when the load starts: ``tests/scripts/host_peak.py``). Medians over 
 
     python benchmarks/bench_resume.py --stage 3 --hidden 2048 --layers 8 --saved 2 --resumed 1 2 3
     python benchmarks/bench_resume.py --stage 1 --dtype bf16 --hidden 2048 --layers 8
+    python benchmarks/bench_resume.py --stage 3 --hidden 4096 --layers 8 --resumed 1 2 --stepped
+
+``--stepped``: each new engine takes a step before the load (a job that goes back to a checkpoint mid-run), so
+it holds its optimizer state when the load begins.
 
 Prints a Markdown table.
 
@@ -47,7 +51,7 @@ def run(phase: str, out: str, args: argparse.Namespace, ranks: int) -> dict:
     from _launch import run_ranks
 
     argv = [phase, out, str(args.stage), "--model", "big", "--hidden", str(args.hidden), "--layers",
-            str(args.layers), "--dtype", args.dtype, "--no-record"]
+            str(args.layers), "--dtype", args.dtype, "--no-record", *(["--stepped"] if args.stepped else [])]
     results = run_ranks(SCRIPT, argv, world_size=ranks, timeout=1800, env={"PYTHONPATH": REPO})
     done = [line for line in results[0].stdout.splitlines() if line.startswith("DONE ")]
     return json.loads(done[-1][len("DONE "):])
@@ -204,6 +208,8 @@ def main() -> None:
     parser.add_argument("--resumed", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--root", default=None, help="where the checkpoint is written (default: a temporary folder)")
+    parser.add_argument("--stepped", action="store_true",
+                        help="each new engine takes a step before the load: it holds its optimizer state")
     parser.add_argument("--one-gpu", action="store_true", help="the one-GPU measurement (see above)")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu", help="--one-gpu: where it resumes")
     parser.add_argument("--out", default=".", help="--one-gpu: folder for the results and logs")
@@ -227,7 +233,7 @@ def main() -> None:
                 rows.setdefault(("stagesafe", ranks), []).append(run("ours", out, args, ranks))
     params = args.hidden * (args.hidden + 1) * args.layers
     print(f"ZeRO-{args.stage}, {params / 1e6:.1f}M parameters ({args.dtype}, AdamW), saved by {args.saved} CPU ranks; "
-          f"medians of {args.repeat}\n")
+          f"{'engines that stepped before the load; ' if args.stepped else ''}medians of {args.repeat}\n")
     print("| load | ranks | seconds | rank 0 peak RSS (MiB) | the load's own peak on rank 0: MiB, bytes per parameter |")
     print("| --- | --- | --- | --- | --- |")
     for (who, ranks), runs in rows.items():

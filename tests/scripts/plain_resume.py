@@ -8,6 +8,8 @@ PHASE ``save``: make_zero_checkpoint.py's engine (the tiny model: a tied weight,
 PHASE ``ours``: a new engine loads ``OUT/ckpt`` with stagesafe (read_rank_files, load_rank_files) and records the
   same in ``OUT/ours-<world size>.safetensors``; then takes a step.
 PHASE ``stock``: the same with DeepSpeed's own ``engine.load_checkpoint`` (only at the world size that saved).
+``--stepped``: the new engine takes a step before the load (a job that goes back to a checkpoint mid-run), so it
+  holds its optimizer state when the load begins.
 PHASE ``form``: the same from ``OUT/form``, the handoff ``stagesafe consolidate --optimizer`` wrote of ``OUT/ckpt``
   (``read_handoff_optimizer``, ``load_optimizer_state``: masters, moments and step counts; the frozen layer and
   the buffers are the new engine's, as initialised), recorded in ``OUT/form-<world size>.safetensors``.
@@ -105,6 +107,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--no-record", action="store_true", help="time the load only")
+    parser.add_argument("--stepped", action="store_true",
+                        help="the new engine takes a step before the load: it holds its optimizer state")
     args = parser.parse_args()
 
     import deepspeed
@@ -127,6 +131,8 @@ def main() -> int:
             read_rank_files,
         )
 
+        if args.stepped:
+            step(engine, args, 1)
         torch.distributed.barrier()
         load.start()
         start = time.perf_counter()
