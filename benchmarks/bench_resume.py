@@ -5,11 +5,16 @@ parameters, AdamW after 2 steps) is saved by ``--saved`` CPU ranks (gloo), then 
 ``tests/scripts/plain_resume.py``: with stagesafe (``read_rank_files`` + ``load_rank_files``) at each world size of
 ``--resumed``, and with DeepSpeed's ``engine.load_checkpoint`` at the world size that saved (the only one it
 loads). Each load is its own job; measured: the load's wall time on rank 0 (both timed from a barrier to a
-barrier, stagesafe's modules imported before the clock in both) and rank 0's peak RSS for the whole process
-(engine included). Medians over ``--repeat`` rounds, stock and stagesafe in turns within each round.
+barrier, stagesafe's modules imported before the clock in both), rank 0's peak RSS for the whole process
+(engine included), and the resident memory the load itself added at its peak on rank 0 (the kernel's high-water
+mark, reset when the load starts: ``tests/scripts/host_peak.py``). Medians over ``--repeat`` rounds, stock and stagesafe in turns within each round.
 
     python benchmarks/bench_resume.py --stage 3 --hidden 2048 --layers 8 --saved 2 --resumed 1 2 3
     python benchmarks/bench_resume.py --stage 1 --dtype bf16 --hidden 2048 --layers 8
+    python benchmarks/bench_resume.py --stage 3 --hidden 4096 --layers 8 --resumed 1 2 --stepped
+
+``--stepped``: each new engine takes a step before the load (a job that goes back to a checkpoint mid-run), so
+it holds its optimizer state when the load begins.
 
 Prints a Markdown table.
 
@@ -17,7 +22,7 @@ Prints a Markdown table.
 parameters (bf16-mixed, AdamW, 2 steps) is saved by 2 CPU ranks (gloo) with stock Lightning's DeepSpeed strategy,
 then resumed on one GPU with ``trainer.fit(ckpt_path=)`` under stagesafe (``tests/scripts/resume_big.py``): the
 strategy's ``load_checkpoint`` (every rank file read by stagesafe's reader, re-partitioned for 1 rank, loaded into
-the engine) timed, the process's RSS sampled every 10 ms meanwhile. Beside it, on the same checkpoint, DeepSpeed's
+the engine) timed, the process's peak RSS meanwhile read from the kernel (VmHWM, reset when the load starts). Beside it, on the same checkpoint, DeepSpeed's
 ``ds_to_universal.py`` (the conversion its universal checkpoint needs before any load at another world size):
 wall time and the peak of its process tree's PSS (workers included), sampled every 50 ms. Writes
 ``resume-one-gpu.json``, ``resume-one-gpu.md`` and each step's log under ``--out``; the checkpoint goes under
@@ -46,7 +51,7 @@ def run(phase: str, out: str, args: argparse.Namespace, ranks: int) -> dict:
     from _launch import run_ranks
 
     argv = [phase, out, str(args.stage), "--model", "big", "--hidden", str(args.hidden), "--layers",
-            str(args.layers), "--dtype", args.dtype, "--no-record"]
+            str(args.layers), "--dtype", args.dtype, "--no-record", *(["--stepped"] if args.stepped else [])]
     results = run_ranks(SCRIPT, argv, world_size=ranks, timeout=1800, env={"PYTHONPATH": REPO})
     done = [line for line in results[0].stdout.splitlines() if line.startswith("DONE ")]
     return json.loads(done[-1][len("DONE "):])
@@ -178,7 +183,9 @@ def one_gpu(args: argparse.Namespace) -> None:
         "| --- | --- | --- |",
         f"| stagesafe: fit(ckpt_path=) load, re-partitioned 2 -> 1 and in the engine | {ours['load_seconds']:.1f} | "
         f"peak RSS {ours['rss_peak_during_load_mib']:.0f} (before the load {ours['rss_before_load_mib']:.0f}: "
-        f"+{ours['rss_peak_during_load_mib'] - ours['rss_before_load_mib']:.0f}) |",
+        f"+{ours['rss_peak_during_load_mib'] - ours['rss_before_load_mib']:.0f}: "
+        f"{(ours['rss_peak_during_load_mib'] - ours['rss_before_load_mib']) * 2**20 / results['parameters']:.2f} "
+        "bytes per parameter) |",
         f"| DeepSpeed ds_to_universal.py (conversion only; "
         f"{'done' if theirs['finished'] else 'NOT finished, killed at the budget: exit ' + str(theirs['exit_code'])}) "
         f"| {theirs['seconds']:.1f} | "
@@ -201,6 +208,8 @@ def main() -> None:
     parser.add_argument("--resumed", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--root", default=None, help="where the checkpoint is written (default: a temporary folder)")
+    parser.add_argument("--stepped", action="store_true",
+                        help="each new engine takes a step before the load: it holds its optimizer state")
     parser.add_argument("--one-gpu", action="store_true", help="the one-GPU measurement (see above)")
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu", help="--one-gpu: where it resumes")
     parser.add_argument("--out", default=".", help="--one-gpu: folder for the results and logs")
@@ -224,13 +233,14 @@ def main() -> None:
                 rows.setdefault(("stagesafe", ranks), []).append(run("ours", out, args, ranks))
     params = args.hidden * (args.hidden + 1) * args.layers
     print(f"ZeRO-{args.stage}, {params / 1e6:.1f}M parameters ({args.dtype}, AdamW), saved by {args.saved} CPU ranks; "
-          f"medians of {args.repeat}\n")
-    print("| load | ranks | seconds | rank 0 peak RSS (MiB) |")
-    print("| --- | --- | --- | --- |")
+          f"{'engines that stepped before the load; ' if args.stepped else ''}medians of {args.repeat}\n")
+    print("| load | ranks | seconds | rank 0 peak RSS (MiB) | the load's own peak on rank 0: MiB, bytes per parameter |")
+    print("| --- | --- | --- | --- | --- |")
     for (who, ranks), runs in rows.items():
         seconds = statistics.median(r["seconds"] for r in runs)
         peak = statistics.median(r["peak_rss_mib"] for r in runs)
-        print(f"| {who} | {ranks} | {seconds:.2f} | {peak:.0f} |")
+        extra = statistics.median(r["load_peak_extra_mib"] for r in runs)
+        print(f"| {who} | {ranks} | {seconds:.2f} | {peak:.0f} | +{extra:.0f}, {extra * 2**20 / params:.2f} |")
 
 
 if __name__ == "__main__":

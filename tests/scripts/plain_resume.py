@@ -8,10 +8,13 @@ PHASE ``save``: make_zero_checkpoint.py's engine (the tiny model: a tied weight,
 PHASE ``ours``: a new engine loads ``OUT/ckpt`` with stagesafe (read_rank_files, load_rank_files) and records the
   same in ``OUT/ours-<world size>.safetensors``; then takes a step.
 PHASE ``stock``: the same with DeepSpeed's own ``engine.load_checkpoint`` (only at the world size that saved).
+``--stepped``: the new engine takes a step before the load (a job that goes back to a checkpoint mid-run), so it
+  holds its optimizer state when the load begins.
 PHASE ``form``: the same from ``OUT/form``, the handoff ``stagesafe consolidate --optimizer`` wrote of ``OUT/ckpt``
   (``read_handoff_optimizer``, ``load_optimizer_state``: masters, moments and step counts; the frozen layer and
   the buffers are the new engine's, as initialised), recorded in ``OUT/form-<world size>.safetensors``.
-Rank 0 prints ``DONE {"seconds": load time, "peak_rss_mib": this process's peak}``: a benchmark too, with
+Rank 0 prints ``DONE {"seconds": load time, "peak_rss_mib": this process's peak, "load_peak_extra_mib": the
+resident memory the load added at its peak (tests/scripts/host_peak.py), ...}``: a benchmark too, with
 ``--model big``.
 """
 
@@ -28,6 +31,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch  # noqa: E402
+from host_peak import RssPeak  # noqa: E402
 from make_zero_checkpoint import BigNet, TinyNet  # noqa: E402
 
 
@@ -103,6 +107,8 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--no-record", action="store_true", help="time the load only")
+    parser.add_argument("--stepped", action="store_true",
+                        help="the new engine takes a step before the load: it holds its optimizer state")
     args = parser.parse_args()
 
     import deepspeed
@@ -111,6 +117,7 @@ def main() -> int:
     world = torch.distributed.get_world_size()
     engine = engine_for(args)
     seconds = 0.0
+    load = RssPeak()
     if args.phase == "save":
         step(engine, args, 2)
         if not args.no_record:
@@ -124,7 +131,10 @@ def main() -> int:
             read_rank_files,
         )
 
+        if args.stepped:
+            step(engine, args, 1)
         torch.distributed.barrier()
+        load.start()
         start = time.perf_counter()
         if args.phase == "ours":
             files, _ = read_rank_files(engine, f"{args.out}/ckpt")
@@ -136,12 +146,15 @@ def main() -> int:
             engine.load_checkpoint(f"{args.out}/ckpt")
         torch.distributed.barrier()
         seconds = time.perf_counter() - start
+        load.stop()
         if not args.no_record:
             record(engine, f"{args.out}/{args.phase}-{world}.safetensors")
         step(engine, args, 1)  # training goes on
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    peak = max(load.earlier / 2**20, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
     if torch.distributed.get_rank() == 0:
-        print("DONE " + json.dumps({"seconds": seconds, "peak_rss_mib": peak}), flush=True)
+        facts = {"seconds": seconds, "peak_rss_mib": peak, "rss_before_load_mib": load.before / 2**20,
+                 "load_peak_extra_mib": (load.peak - load.before) / 2**20, "rss_after_load_mib": load.after / 2**20}
+        print("DONE " + json.dumps(facts), flush=True)
     torch.distributed.barrier()
     sys.stdout.flush()
     os._exit(0)  # as make_zero_checkpoint.py: gloo's threads sometimes abort at interpreter teardown

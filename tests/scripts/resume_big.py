@@ -1,13 +1,13 @@
 """A big model's checkpoint of 2 CPU ranks resumed on one process with ``fit(ckpt_path=)``; the load timed, and its
 host memory sampled (benchmarks/bench_resume.py ``--one-gpu``).
 
-Usage: python resume_big.py PHASE OUT --stage S --hidden H --layers L [--accelerator gpu|cpu]
+Usage: python resume_big.py PHASE OUT --stage S --hidden H --layers L [--accelerator gpu|cpu] [--devices M]
 PHASE ``save``: stock Lightning's DeepSpeed strategy (stagesafe's CPU-enabled base class) on 2 CPU ranks (gloo),
   bf16-mixed, AdamW with weight decay, 2 steps, then ``trainer.save_checkpoint(OUT/ckpt)`` while the engine lives.
-PHASE ``resume``: a new module on one process (the GPU, or the CPU), ``StageSafeDeepSpeedStrategy``,
-  ``fit(ckpt_path=OUT/ckpt, max_steps=3)``: one step after the resume. The strategy's ``load_checkpoint`` (every
+PHASE ``resume``: a new module on one process (the GPU, or the CPU; ``--devices M``: M ranks),
+  ``StageSafeDeepSpeedStrategy``, ``fit(ckpt_path=OUT/ckpt, max_steps=3)``: one step after the resume. The strategy's ``load_checkpoint`` (every
   rank file read by stagesafe's reader, re-partitioned for one rank, put into the engine) is timed, and this
-  process's resident memory sampled every 10 ms meanwhile.
+  process's peak resident memory during it read from the kernel (VmHWM, reset when the load starts).
 Rank 0 prints ``DONE <json>``. DeepSpeed's CPU comm op is not built (``--build-comm-op`` builds it): gloo carries
 the collectives, as it does where the op cannot be built, and a first build takes minutes.
 Lightning starts the other rank by running this command line again.
@@ -20,7 +20,6 @@ import json
 import os
 import resource
 import sys
-import threading
 import time
 
 import lightning.pytorch as pl
@@ -29,6 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+from host_peak import RssPeak  # noqa: E402
 from make_zero_checkpoint import BigNet  # noqa: E402
 
 
@@ -48,35 +48,6 @@ class BigModule(pl.LightningModule):
     def train_dataloader(self):
         torch.manual_seed(0)
         return DataLoader(TensorDataset(torch.randn(64, self.hidden)), batch_size=2)
-
-
-class RssPeak:
-    """This process's resident memory, sampled every 10 ms on a thread between ``start`` and ``stop``."""
-
-    def __init__(self) -> None:
-        self.page = os.sysconf("SC_PAGE_SIZE")
-        self.before = self.peak = 0
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-
-    def rss(self) -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * self.page
-
-    def start(self) -> None:
-        self.before = self.peak = self.rss()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(0.01):
-            self.peak = max(self.peak, self.rss())
-
-    def stop(self) -> None:
-        self._stop.set()
-        assert self._thread is not None
-        self._thread.join()
-        self.peak = max(self.peak, self.rss())
 
 
 def save(args: argparse.Namespace) -> dict:
@@ -117,7 +88,7 @@ def resume(args: argparse.Namespace) -> dict:
     strategy = Timed(stage=args.stage, handoff_uri=f"{args.out}/handoff", overwrite_handoff=True,
                      keep_optimizer_state=False, wait_for_write=True)
     trainer = pl.Trainer(
-        strategy=strategy, accelerator=args.accelerator, devices=1, precision="bf16-mixed", max_steps=3,
+        strategy=strategy, accelerator=args.accelerator, devices=args.devices, precision="bf16-mixed", max_steps=3,
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     start = time.perf_counter()
@@ -127,7 +98,10 @@ def resume(args: argparse.Namespace) -> dict:
         "fit_seconds": time.perf_counter() - start,
         "rss_before_load_mib": peak.before / 2**20,
         "rss_peak_during_load_mib": peak.peak / 2**20,
-        "process_peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "rss_after_load_mib": peak.after / 2**20,
+        "rss_peak_exact": peak.exact,
+        "devices": args.devices,
+        "process_peak_rss_mib": max(peak.earlier, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
         "global_step": trainer.global_step,
         "parameters": sum(p.numel() for p in module.parameters()),
     }
@@ -145,6 +119,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=8192)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--accelerator", choices=("gpu", "cpu"), default="gpu")
+    parser.add_argument("--devices", type=int, default=1, help="resume: how many ranks resume")
     parser.add_argument("--build-comm-op", action="store_true")
     args = parser.parse_args()
     if not args.build_comm_op:

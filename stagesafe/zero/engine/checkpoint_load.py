@@ -6,10 +6,12 @@ a stage's end: file name -> state): its model states (the counters, the module's
 rank's fragments of the frozen parameters) and its optimizer partition (the fp32 masters, every per-element state
 of the optimizer such as Adam's moments, the step counts, the param groups' hyperparameters, the loss scaler),
 each flat partition filled parameter by parameter from the checkpoint's state
-(:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`), whatever number of ranks wrote it. Only this
-rank's partition is ever in memory; where the engine keeps its fp32 partitions in host memory (an engine on the
-CPU, an offloaded optimizer) they are read straight into them, not held twice. :func:`load_rank_files` then loads
-the files with DeepSpeed's own methods, in the order its ``load_checkpoint`` does after reading its files with
+(:class:`~stagesafe.zero.checkpoint_optimizer.CheckpointOptimizer`), whatever number of ranks wrote it. The
+checkpoint's slices are read into the engine's own tensors (its fp32 masters; the optimizer's per-element state
+where it holds it, else new tensors on the engine's device): in host memory straight into them, on a device
+through a bounded host staging buffer (:func:`~stagesafe.zero.staged_reads.read_staged`), so no rank holds its
+partition twice or in host memory. :func:`load_rank_files` then loads the files with DeepSpeed's own methods (the
+partitions copied onto themselves), in the order its ``load_checkpoint`` does after reading its files with
 ``torch.load`` (which runs code a file names).
 
 What cannot be put into this engine is refused before anything is read into it, naming what differs: another ZeRO
@@ -34,6 +36,7 @@ from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.handoff.optimizer_state import open_form
 from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
 from stagesafe.zero.handoff_optimizer import HandoffOptimizer
+from stagesafe.zero.staged_reads import read_staged
 from stagesafe.zero.pickle_globals import OpaqueRecord
 
 __all__ = [
@@ -321,7 +324,8 @@ def _optimizer_state(
                       else optimizer.single_partition_of_fp32_groups)
     masters = []
     for index, part in enumerate(layout):
-        master = _flat(source, part, None, into=_host_flat(engine_masters[index], part.numel), reads=reads)
+        master = _flat(source, part, None, into=_engine_flat(engine_masters[index], part.numel), reads=reads,
+                       device=engine_masters[index].device, keep_gaps=True)
         masters.append(master if part.saved == part.numel else master[: part.saved])
     # the torch optimizer numbers the flat partitions param group by param group (ZeRO-3 appends each sub-group
     # to its group's params): its k-th is the partition order[k]
@@ -330,11 +334,13 @@ def _optimizer_state(
     for number, index in enumerate(order):
         part = layout[index]
         state = dict(source.values(source.partition_of_group(part.group)))
+        held = _engine_state(optimizer, engine_masters[index])
         for key in source.element_keys:
-            state[key] = _flat(source, part, key, reads=reads)
+            state[key] = _flat(source, part, key, reads=reads, into=_engine_flat(held.get(key), part.numel),
+                               device=engine_masters[index].device)
         if state:
             base_state[number] = state
-    source.read_all(reads)
+    read_staged(source.read_all, reads)
     groups = _param_groups(engine, source)
     global_state = dict(source.global_state)
     if _bf16(engine):  # BF16_Optimizer's own state_dict: no loss scaler, its fp32 partitions whole
@@ -376,30 +382,44 @@ def _optimizer_state(
 
 def _flat(
     source: CheckpointOptimizer | HandoffOptimizer, part: FlatPartition, key: str | None, *, reads: list,
-    into: torch.Tensor | None = None,
+    into: torch.Tensor | None, device: torch.device, keep_gaps: bool = False,
 ) -> torch.Tensor:
     """A flat partition of ``key`` (None: the fp32 masters), each parameter's slice to be read from the checkpoint
-    (added to ``reads``): into ``into`` (the engine's own partition, in host memory: no second copy of it; what
-    lies between the slices stays as it is), else into new memory, zeros where DeepSpeed pads."""
+    (added to ``reads``): into ``into`` (the engine's own partition or optimizer state, on its device: no second
+    copy of it; what lies between the slices zeroed, or with ``keep_gaps`` left as it is), else into new memory
+    on ``device``, zeros where DeepSpeed pads."""
     dtype = getattr(torch, source.element_dtypes[key] if key is not None else source.master_dtype)
-    flat = into if into is not None and into.dtype == dtype else torch.empty(part.numel, dtype=dtype)
+    flat = into if into is not None and into.dtype == dtype else torch.empty(part.numel, dtype=dtype, device=device)
+    zero_gaps = flat is not into or not keep_gaps
     at = 0
     for name, offset, first, count in sorted(part.slices, key=lambda s: s[1]):
-        if flat is not into and offset > at:
+        if zero_gaps and offset > at:
             flat.narrow(0, at, offset - at).zero_()
         reads.append((name, key, first, flat.narrow(0, offset, count)))
         at = max(at, offset + count)
-    if flat is not into and at < part.numel:
+    if zero_gaps and at < part.numel:
         flat.narrow(0, at, part.numel - at).zero_()
     return flat
 
 
-def _host_flat(tensor: torch.Tensor, numel: int) -> torch.Tensor | None:
-    """The engine's flat partition where the checkpoint's values can be read straight into it: in host memory,
-    contiguous, of the partition's size (on a device, DeepSpeed copies them there from host memory)."""
-    if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() != numel:
+def _engine_flat(tensor: torch.Tensor | None, numel: int) -> torch.Tensor | None:
+    """The engine's own flat tensor where the checkpoint's values can be read straight into it (in host memory,
+    or on its device through :func:`~stagesafe.zero.staged_reads.read_staged`'s bounded host buffer):
+    contiguous, of the partition's size."""
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_contiguous() or tensor.numel() != numel:
         return None
     return tensor.detach().view(-1)
+
+
+def _engine_state(optimizer: Any, master: torch.Tensor) -> Mapping[str, Any]:
+    """The torch optimizer's state of the flat partition ``master`` (DeepSpeed makes it when the engine is built:
+    Adam's zero moments), or nothing where it is not made yet."""
+    inner = getattr(optimizer, "optimizer", None)
+    state = getattr(inner, "state", None)
+    if not isinstance(state, Mapping) or master not in state:
+        return {}
+    held = state[master]
+    return held if isinstance(held, Mapping) else {}
 
 
 def _param_groups(engine: Any, source: CheckpointOptimizer | HandoffOptimizer) -> list[dict[str, Any]]:
