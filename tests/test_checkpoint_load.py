@@ -71,7 +71,7 @@ def _engine(seed: int):
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(DEPTH)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=dict(CONFIG))
-    x = torch.randn(2, WIDTH)
+    x = torch.randn(2, WIDTH).to(engine.device)  # the engine's device: the CPU here, a GPU where DeepSpeed finds one
     for _ in range(2):
         engine.backward(engine(x).pow(2).mean())
         engine.step()
@@ -109,8 +109,9 @@ def _load_measured(engine, folder: str) -> int:
     return _high_water_mark() - before
 
 
-def test_an_engine_holding_its_state_is_filled_in_place_taking_next_to_no_host_memory(saved):
+def test_an_engine_holding_its_state_is_filled_in_place_taking_next_to_no_host_memory(saved, monkeypatch):
     folder, values = saved
+    monkeypatch.setattr(staged_reads, "STAGING_BYTES", 2**20)  # on a GPU, where the load stages: 1 MiB of it
     engine = _engine(2)
     try:
         held = _flats(engine)
