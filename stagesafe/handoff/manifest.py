@@ -102,7 +102,7 @@ def build_manifest(
             "shards": {name: {digest: rec["hexdigest"], "size": int(rec["size"])} for name, rec in shards.items()},
             "weight_map": dict(weight_map),
             "tensors": {
-                name: {"dtype": meta["dtype"], "shape": [int(d) for d in meta["shape"]]}
+                name: {"dtype": meta["dtype"], "shape": list(map(int, meta["shape"]))}
                 for name, meta in tensors.items()
             },
             "aliases": dict(aliases),
@@ -112,7 +112,7 @@ def build_manifest(
         }
     )
     manifest["checksum"] = manifest_checksum(manifest)
-    return validate_manifest(manifest, source="the new manifest")
+    return _validated(manifest, source="the new manifest", checksum_known=True)
 
 
 def digest_of(manifest: Mapping[str, Any]) -> str:
@@ -135,16 +135,25 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
 def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     """Check a manifest's structure and internal consistency; raise ``HandoffCorruptError`` naming what is off."""
 
+    return _validated(manifest, source=source, checksum_known=False)
+
+
+def _validated(manifest: Any, *, source: str, checksum_known: bool) -> dict[str, Any]:
+    """:func:`validate_manifest`; ``checksum_known``: its checksum was just computed from it (a new manifest),
+    so it is not computed again."""
+
     def bad(what: str) -> HandoffCorruptError:
         return HandoffCorruptError(f"{source}: {what}; the handoff cannot be trusted, write it again")
 
-    fmt = _checked_fields(manifest, source, bad)
+    fmt = _checked_fields(manifest, source, bad, checksum_known=checksum_known)
     digest = _checked_digest(manifest, fmt, source, bad)
     _check_tables(manifest, digest, bad)
     return manifest
 
 
-def _checked_fields(manifest: Any, source: str, bad: Callable[[str], HandoffCorruptError]) -> str:
+def _checked_fields(
+    manifest: Any, source: str, bad: Callable[[str], HandoffCorruptError], *, checksum_known: bool = False
+) -> str:
     """The manifest's format, once it is one this stagesafe reads, every field is there with its JSON type,
     and its checksum matches its content."""
     if not isinstance(manifest, dict):
@@ -169,6 +178,8 @@ def _checked_fields(manifest: Any, source: str, bad: Callable[[str], HandoffCorr
     ):
         if not isinstance(manifest.get(key), kind):
             raise bad(f"'{key}' is missing or not a {kind.__name__}")
+    if checksum_known:
+        return fmt
     try:
         checksum = manifest_checksum(manifest)
     except RecursionError:

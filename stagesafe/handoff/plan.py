@@ -122,7 +122,17 @@ def plan_shards(entries: Iterable[tuple[str, int]], max_shard_size: int) -> list
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """A torch dtype's name as the format records it (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return str(dtype).removeprefix("torch.")
+    try:
+        return _DTYPE_NAMES[dtype]  # computed once per dtype: this runs per tensor
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    except TypeError:  # unhashable: not a dtype, but named all the same in the error that follows
+        name = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
 
 
 def supported_dtype(name: str) -> bool:

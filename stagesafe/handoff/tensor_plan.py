@@ -38,17 +38,35 @@ def plan_handoff(
             f"state_dict must be a mapping of str to torch.Tensor, got {type(state_dict).__name__}"
         )
     specs: dict[str, dict[str, Any]] = {}
+    sizes: dict[str, int] = {}
     aliases: dict[str, str] = {}
     first_of: dict[tuple, str] = {}
     for name, tensor in state_dict.items():
-        _check_entry(name, tensor)
-        specs[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
+        dtype = _checked_dtype(name, tensor)
+        specs[name] = {"dtype": dtype, "shape": list(tensor.shape)}
         key = _view_identity(tensor)
-        if key is not None:
-            canonical = first_of.setdefault(key, name)
-            if canonical != name:
-                aliases[name] = canonical
-    return plan_specs(specs, aliases, max_shard_size=limit, tag=tag, taken=taken, state_dict=state_dict)
+        canonical = name if key is None else first_of.setdefault(key, name)
+        if canonical != name:
+            aliases[name] = canonical
+        else:
+            sizes[name] = tensor.nbytes
+    return plan_specs(
+        specs, aliases, max_shard_size=limit, tag=tag, taken=taken, state_dict=state_dict, sizes=sizes
+    )
+
+
+def _checked_dtype(name: Any, tensor: Any) -> str:
+    """The dtype name of a state dict's entry, once it is one a handoff stores (else :func:`_check_entry`'s
+    error); the common case in a few attribute reads, since it runs once per tensor."""
+    import torch
+
+    if type(name) is str and isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and not tensor.is_meta:
+        dtype = dtype_name(tensor.dtype)
+        if supported_dtype(dtype):
+            codec.check_name(name)
+            return dtype
+    _check_entry(name, tensor)
+    raise AssertionError(f"{name!r} passed _check_entry but not its quick form")  # pragma: no cover
 
 
 def _check_entry(name: Any, tensor: Any) -> None:
