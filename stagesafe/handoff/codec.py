@@ -66,6 +66,7 @@ SAFETENSORS_DTYPES = {code: torch_name for code, (torch_name, _) in _DTYPES.item
 _CODES = {torch_name: code for code, (torch_name, _) in _DTYPES.items()}
 _ITEMSIZE = {torch_name: size for torch_name, size in _DTYPES.values()}
 _FIELDS = ("dtype", "shape", "data_offsets")
+_json_string = json.encoder.encode_basestring_ascii  # a str as json.dumps writes it (ensure_ascii)
 
 
 @dataclass(frozen=True)
@@ -162,15 +163,20 @@ def check_tensor(name: Any, dtype: Any, shape: Any, *, where: str = "state_dict"
 def encode_header(specs: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, int]:
     """The header (8-byte length + JSON, padded with spaces to 8) of tensors ``name -> {"dtype", "shape"}`` stored
     in this order, and the size of the whole file. Every tensor is checked first (:func:`check_tensor`)."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # "pt": transformers' loaders insist on it
+    # The JSON that json.dumps(entries, separators=(",", ":")) writes, one entry at a time without a dict per
+    # tensor (this runs for every tensor of every shard). "pt": transformers' loaders insist on it.
+    entries = ['{"__metadata__":{"format":"pt"}']
     offset = 0
     for name, spec in specs.items():
         dtype, shape = spec["dtype"], spec["shape"]
         check_tensor(name, dtype, shape, where="tensor")
         size = _numel(shape) * _ITEMSIZE[dtype]
-        entries[name] = {"dtype": _CODES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+        entries.append(
+            f'{_json_string(name)}:{{"dtype":"{_CODES[dtype]}","shape":[{",".join(map(str, shape))}],'
+            f'"data_offsets":[{offset},{offset + size}]}}'
+        )
         offset += size
-    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw = (",".join(entries) + "}").encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw, 8 + len(raw) + offset
 

@@ -101,10 +101,8 @@ def commit_handoff(
     replaced = set(before["shards"]) if before is not None else set()
     text = (readable_json(manifest) + "\n").encode()
     index = index_text(manifest)
-    known_manifests.remember(  # validated by build_manifest: a read of these bytes need not check them again
-        known_manifests.key_of(text),
-        known_manifests.Known(shards=frozenset(manifest["shards"]), index_sha256=known_manifests.key_of(index)),
-    )
+    # Validated by build_manifest: a read of these bytes need not check them again.
+    known_manifests.remember(known_manifests.key_of(text), frozenset(manifest["shards"]))
     folder.transfer(
         lambda: folder.write(MANIFEST_NAME, text),
         what=f"commit {folder.url!r} (write {MANIFEST_NAME})",
@@ -208,24 +206,22 @@ def index_follows_the_manifest(folder: Folder, *, own: tuple[bytes, bytes] | Non
     for _ in range(_INDEX_ROUNDS):
         try:
             raw = committed_bytes(folder, explain=False)
-            key = known_manifests.key_of(raw)
-            known = known_manifests.lookup(key)
-            manifest = None
-            if own is None or raw != own[0] or known is None or known.index_sha256 is None:
-                manifest = checked_manifest(raw, key, where=where)
+            mine = own is not None and raw == own[0]
+            manifest = None if mine else checked_manifest(raw, known_manifests.key_of(raw), where=where)
         except (HandoffNotFoundError, HandoffCorruptError):
             return
         try:
             current = folder.fs.cat_file(folder.path(INDEX_NAME))
         except (OSError, ValueError):
             current = None  # missing or unreadable: written below
-        if manifest is None:
-            if known_manifests.key_of(current or b"") == known.index_sha256:
+        if manifest is None:  # this writer's manifest, still the committed one: its index is known byte for byte
+            if current == own[1]:
                 return
-            manifest = checked_manifest(raw, key, where=where)
-        if current is not None and _same_weight_map(current, manifest):
+            _write_index_text(folder, own[1])
+        elif current is None or not _same_weight_map(current, manifest):
+            _write_index_text(folder, index_text(manifest))
+        else:
             return
-        _write_index_text(folder, own[1] if own is not None and raw == own[0] else index_text(manifest))
 
 
 def _same_weight_map(index: bytes, manifest: Mapping[str, Any]) -> bool:

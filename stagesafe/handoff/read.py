@@ -197,7 +197,7 @@ def checked_manifest(raw: bytes, key: str, *, where: str) -> dict[str, Any]:
     manifest = parse_json(raw, where)
     if known_manifests.lookup(key) is None:
         validate_manifest(manifest, source=where)
-        known_manifests.remember(key, known_manifests.Known(shards=frozenset(manifest["shards"])))
+        known_manifests.remember(key, frozenset(manifest["shards"]))
     return manifest
 
 
@@ -210,7 +210,7 @@ def committed_shards(folder: Folder) -> set[str]:
         key = known_manifests.key_of(raw)
         known = known_manifests.lookup(key)  # bytes this process wrote or read: no need to parse them again
         if known is not None:
-            return set(known.shards)
+            return set(known)
         return set(checked_manifest(raw, key, where=f"{folder.url}/{MANIFEST_NAME}")["shards"])
 
     try:
