@@ -138,8 +138,9 @@ def save_row(args: argparse.Namespace, tree: str, tensors: int, count: int) -> d
     return {"tree": os.path.realpath(tree), "tensors": tensors, "count": count or tensors, **rows[0]}
 
 
-def show_saves(rows: list[dict]) -> None:
-    print(f"{'tree':>24} {'tensors':>8} {'first s':>8} {'median s':>9} {'best s':>8} {'best us/tensor':>15}")
+def show_saves(rows: list[dict], header: bool = True) -> None:
+    if header:
+        print(f"{'tree':>24} {'tensors':>8} {'first s':>8} {'median s':>9} {'best s':>8} {'best us/tensor':>15}")
     for row in rows:
         seconds = sorted(row["seconds"])
         median = seconds[len(seconds) // 2]
@@ -154,7 +155,7 @@ def save_table(args: argparse.Namespace) -> list[dict]:
         for count in (0, args.few):
             for tree in args.trees:
                 rows.append(save_row(args, tree, tensors, count))
-                show_saves(rows[-1:])
+                show_saves(rows[-1:], header=len(rows) == 1)
     return rows
 
 
