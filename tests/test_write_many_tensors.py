@@ -16,6 +16,7 @@ from stagesafe.handoff import codec, shards
 from stagesafe.handoff.codec import check_tensor, encode_header
 from stagesafe.handoff.commit import readable_json
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
+from stagesafe.handoff.plan import dtype_name
 from stagesafe.handoff.read import load_state_dict, read_manifest
 from stagesafe.handoff.save import save_state_dict
 from stagesafe.handoff.tensor_plan import plan_handoff
@@ -65,7 +66,7 @@ def test_many_small_tensors_are_one_chunk_and_exactly_the_formats_bytes():
     """300 tiny tensors and every odd kind beside them: the bytes are exactly the format's, and the writer hands
     the file (and its hash) a few chunks, not one per tensor."""
     tensors = _mixed()
-    specs = {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)} for name, t in tensors.items()}
+    specs = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for name, t in tensors.items()}
     header, size = encode_header(specs)
     chunks = list(shards._safetensors_chunks(header, specs, tensors))
     assert b"".join(bytes(c) for c in chunks) == _reference_bytes(specs, tensors)

@@ -267,7 +267,9 @@ def readable_json(value: Any, *, sort_keys: bool = False, depth: int = 0) -> str
     if depth:  # a table (tensors, weight map): one row per tensor
         body = ",\n".join(f"{pad}{_key(key)}: {_line(item, sort_keys)}" for key, item in items)
     else:
-        body = ",\n".join(f"{pad}{_key(key)}: {readable_json(item, sort_keys=sort_keys, depth=1)}" for key, item in items)
+        body = ",\n".join(
+            f"{pad}{_key(key)}: {readable_json(item, sort_keys=sort_keys, depth=1)}" for key, item in items
+        )
     return "{\n" + body + "\n" + "  " * depth + "}"
 
 

@@ -93,7 +93,7 @@ def plan_specs(
     return HandoffPlan(
         shards=shards,
         weight_map={name: file for file, names in shards.items() for name in names},
-        tensors=specs if owned else {name: {"dtype": s["dtype"], "shape": list(s["shape"])} for name, s in specs.items()},
+        tensors=specs if owned else {n: {"dtype": s["dtype"], "shape": list(s["shape"])} for n, s in specs.items()},
         aliases=dict(aliases),
         total_size=sum(sizes.values()),
         state_dict=state_dict if state_dict is not None else {},

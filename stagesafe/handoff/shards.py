@@ -146,7 +146,8 @@ def write_shard(
     Tensors are moved to the CPU and made contiguous; tensors whose bytes overlap (views of one another) are
     written as independent copies, which safetensors requires. With ``specs`` (name -> ``{"dtype", "shape"}``,
     as in ``HandoffPlan.tensors``) ``tensors`` may be a lazy mapping: each tensor is read only when its bytes
-    are due and dropped after, so memory holds one tensor; a value may be :class:`Pieces`, written piece by
+    are due and dropped after, so memory holds one tensor (small ones are copied into a run of up to 16 MiB
+    written as one chunk, :mod:`~stagesafe.handoff.tensor_bytes`); a value may be :class:`Pieces`, written piece by
     piece without joining them. The write (one PUT or multipart upload on an object
     store) is tried again on transient errors as ``retry`` says, until ``stop`` is set (another shard failed).
     """

@@ -2,8 +2,9 @@
 writer a handful of writes and hashes instead of 20,000 of each, and no torch operation per tensor.
 
 A tensor qualifies when its bytes already lie in host memory in the order the format stores them (on the CPU,
-contiguous, no lazy conjugate or negative bit): they are copied straight from its address, and a run of them is
-handed on as one ``bytes`` object. Any other tensor takes :mod:`~stagesafe.handoff.shards`' own path (moved, made contiguous).
+contiguous, no lazy conjugate or negative bit): they are copied straight from its address, and a run of them
+is handed on as one ``bytes`` object. Any other tensor takes :mod:`~stagesafe.handoff.shards`' own path (moved,
+made contiguous).
 """
 
 from __future__ import annotations
