@@ -1,7 +1,7 @@
 """Many small tensors' bytes gathered into one chunk, so that a shard of 20,000 tensors of 64 bytes costs the
 writer a handful of writes and hashes instead of 20,000 of each, and no torch operation per tensor.
 
-A tensor qualifies when its bytes already lie in host memory in the order the format stores them (on the CPU,
+A plain tensor (or parameter) qualifies when its bytes already lie in host memory in the order the format stores them (on the CPU,
 contiguous, no lazy conjugate or negative bit): they are copied straight from its address, and a run of them
 is handed on as one ``bytes`` object. Any other tensor takes :mod:`~stagesafe.handoff.shards`' own path (moved,
 made contiguous).
@@ -31,9 +31,13 @@ class SmallRun:
 
     @staticmethod
     def takes(tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s stored bytes are its bytes in the format, small enough for a run."""
+        """Whether ``tensor``'s stored bytes are its bytes in the format, small enough for a run. Subclasses
+        (which may define their own ``contiguous``, ``to``) take the general path."""
+        import torch
+
         return (
-            tensor.nbytes < SMALL
+            type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and tensor.nbytes < SMALL
             and tensor.is_cpu
             and tensor.is_contiguous()
             and not tensor.is_conj()
