@@ -13,6 +13,14 @@ and each rank's peak RSS (the kernel's high-water mark, reset before each call).
 under Lightning's own DeepSpeedStrategy (its later calls on the same module are what this project fixes: a
 failure is recorded, not raised).
 
+``--save-state-dict`` times what the handoff write costs per tensor on its own, without a job:
+``stagesafe.save_state_dict`` of N tensors of ``--floats`` floats and of the same bytes in ``--few`` tensors, in a
+fresh process per row, ``--repeat`` saves each (the first into an empty folder, the others replacing it, as a
+stage's handoff replaces the last); ``--trees`` times the stagesafe of other source trees in the same run (a
+``git archive`` of an older commit: before and after side by side, interleaved). ``--arms`` with no value skips
+the Trainer rows:
+    python benchmarks/bench_many_tensors.py --arms --save-state-dict --counts 5000 20000 70000 --trees /tmp/old .
+
 DeepSpeed's engine checks the optimizer's groups for duplicates with a loop over the parameters that lists every
 group's ids again for each one (``DeepSpeedEngine._check_for_duplicates``): quadratic, about 200 s at 20,000
 parameters, paid by stock and stagesafe alike at every fit. ``--duplicate-check`` times it alone, without a job;
@@ -96,6 +104,61 @@ def time_duplicate_check(count: int) -> float:
     return time.perf_counter() - start
 
 
+# One save_state_dict row, run by ``python -c`` in a fresh process with the tree to time first on sys.path (the
+# tree may be an older commit's, which has no such mode of its own). argv: tree, tensors, floats, repeat, root.
+SAVE_JOB = """
+import json, os, shutil, sys, time
+sys.path.insert(0, os.path.abspath(sys.argv[1]))
+import torch
+import stagesafe
+tensors, floats, repeat, root = int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+torch.manual_seed(0)
+state = {f"layers.{i}.weight": torch.randn(floats) for i in range(tensors)}
+shutil.rmtree(root, ignore_errors=True)
+seconds = []
+for i in range(repeat):
+    start = time.perf_counter()
+    stagesafe.save_state_dict(state, os.path.join(root, "handoff"), overwrite=True)
+    seconds.append(time.perf_counter() - start)
+shutil.rmtree(root, ignore_errors=True)
+print("SAVE " + json.dumps({"stagesafe": stagesafe.__file__, "seconds": seconds}), flush=True)
+"""
+
+
+def save_row(args: argparse.Namespace, tree: str, tensors: int, count: int) -> dict:
+    """``save_state_dict`` of ``tensors`` tensors (or their bytes in ``count``) by the stagesafe of ``tree``."""
+    floats = args.floats * tensors // count if count else args.floats
+    command = [sys.executable, "-c", SAVE_JOB, tree, str(count or tensors), str(floats), str(args.repeat),
+               os.path.join(args.root, "save")]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=tree)
+    rows = [json.loads(line[5:]) for line in done.stdout.splitlines() if line.startswith("SAVE ")]
+    if done.returncode != 0 or not rows:
+        print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+        raise SystemExit(f"save_state_dict of {count or tensors} tensors from {tree} failed")
+    return {"tree": os.path.realpath(tree), "tensors": tensors, "count": count or tensors, **rows[0]}
+
+
+def show_saves(rows: list[dict], header: bool = True) -> None:
+    if header:
+        print(f"{'tree':>24} {'tensors':>8} {'first s':>8} {'median s':>9} {'best s':>8} {'best us/tensor':>15}")
+    for row in rows:
+        seconds = sorted(row["seconds"])
+        median = seconds[len(seconds) // 2]
+        print(f"{row['tree'][-24:]:>24} {row['count']:>8} {row['seconds'][0]:8.3f} {median:9.3f} {seconds[0]:8.3f} "
+              f"{seconds[0] / row['count'] * 1e6:15.1f}")
+
+
+def save_table(args: argparse.Namespace) -> list[dict]:
+    """Every tree at every count, then at the same bytes in ``--few`` tensors, the trees interleaved."""
+    rows = []
+    for tensors in args.counts:
+        for count in (0, args.few):
+            for tree in args.trees:
+                rows.append(save_row(args, tree, tensors, count))
+                show_saves(rows[-1:], header=len(rows) == 1)
+    return rows
+
+
 def run_job(args: argparse.Namespace) -> None:
     """One arm over the sequence, in this process (and rank 1, which Lightning starts by re-running it)."""
     if args.linear_duplicate_check:
@@ -172,7 +235,12 @@ def main() -> None:
     parser.add_argument("--counts", type=int, nargs="+", default=[20000, 70000], help="tensor counts of the table")
     parser.add_argument("--few", type=int, default=4, help="the baseline: the same bytes in this many tensors")
     parser.add_argument("--floats", type=int, default=16, help="floats per tensor (a multiple of 16)")
-    parser.add_argument("--arms", nargs="+", default=["stock", "stagesafe"], choices=("stock", "stagesafe"))
+    parser.add_argument("--arms", nargs="*", default=["stock", "stagesafe"], choices=("stock", "stagesafe"))
+    parser.add_argument("--save-state-dict", action="store_true",
+                        help="time save_state_dict alone at --counts (and --few), each --trees' stagesafe")
+    parser.add_argument("--trees", nargs="+", default=[os.path.dirname(HERE)],
+                        help="source trees whose stagesafe --save-state-dict times (default: this one)")
+    parser.add_argument("--repeat", type=int, default=3, help="saves per --save-state-dict row")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--linear-duplicate-check", action="store_true",
                         help="give both arms a linear check instead of DeepSpeed's quadratic one")
@@ -190,6 +258,7 @@ def main() -> None:
         for count in args.counts:
             print(f"DeepSpeedEngine._check_for_duplicates, {count} parameters: {time_duplicate_check(count):.2f} s")
         return
+    saves = save_table(args) if args.save_state_dict else []
     table = []
     for tensors in args.counts:
         for job in args.arms:
@@ -197,10 +266,13 @@ def main() -> None:
                 table.append((job, tensors, count, run_row(args, job, tensors, count)))
                 show(table[-1:])
     print()
-    show(table)
+    if saves:
+        show_saves(saves)
+    if table:
+        show(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "table": table}, f, indent=1)
+            json.dump({"args": vars(args), "table": table, "saves": saves}, f, indent=1)
 
 
 if __name__ == "__main__":

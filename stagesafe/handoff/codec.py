@@ -66,6 +66,7 @@ SAFETENSORS_DTYPES = {code: torch_name for code, (torch_name, _) in _DTYPES.item
 _CODES = {torch_name: code for code, (torch_name, _) in _DTYPES.items()}
 _ITEMSIZE = {torch_name: size for torch_name, size in _DTYPES.values()}
 _FIELDS = ("dtype", "shape", "data_offsets")
+_json_string = json.encoder.encode_basestring_ascii  # a str as json.dumps writes it (ensure_ascii)
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,8 @@ def check_name(name: Any, *, where: str = "state_dict") -> None:
 def check_tensor(name: Any, dtype: Any, shape: Any, *, where: str = "state_dict") -> None:
     """Raise ``InvalidArgumentError`` unless safetensors can store a tensor ``name`` of torch dtype name
     ``dtype`` and ``shape``, and every reader of the format can read it back."""
+    if _plainly_valid(name, dtype, shape):
+        return
     check_name(name, where=where)
     if not isinstance(dtype, str) or dtype not in _CODES:
         raise InvalidArgumentError(
@@ -160,23 +163,44 @@ def check_tensor(name: Any, dtype: Any, shape: Any, *, where: str = "state_dict"
 def encode_header(specs: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, int]:
     """The header (8-byte length + JSON, padded with spaces to 8) of tensors ``name -> {"dtype", "shape"}`` stored
     in this order, and the size of the whole file. Every tensor is checked first (:func:`check_tensor`)."""
-    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}  # "pt": transformers' loaders insist on it
+    # The JSON that json.dumps(entries, separators=(",", ":")) writes, one entry at a time without a dict per
+    # tensor (this runs for every tensor of every shard). "pt": transformers' loaders insist on it.
+    entries = ['{"__metadata__":{"format":"pt"}']
     offset = 0
     for name, spec in specs.items():
-        check_tensor(name, spec["dtype"], spec["shape"], where="tensor")
-        size = nbytes(spec["dtype"], spec["shape"])
-        entries[name] = {
-            "dtype": _CODES[spec["dtype"]],
-            "shape": list(spec["shape"]),
-            "data_offsets": [offset, offset + size],
-        }
+        dtype, shape = spec["dtype"], spec["shape"]
+        check_tensor(name, dtype, shape, where="tensor")
+        size = _numel(shape) * _ITEMSIZE[dtype]
+        entries.append(
+            f'{_json_string(name)}:{{"dtype":"{_CODES[dtype]}","shape":[{",".join(map(str, shape))}],'
+            f'"data_offsets":[{offset},{offset + size}]}}'
+        )
         offset += size
-    raw = json.dumps(entries, separators=(",", ":")).encode()
+    raw = (",".join(entries) + "}").encode()
     raw += b" " * (-len(raw) % 8)
     return len(raw).to_bytes(8, "little") + raw, 8 + len(raw) + offset
 
 
 # -- internals -----------------------------------------------------------------------------------------------------
+
+
+def _plainly_valid(name: Any, dtype: Any, shape: Any) -> bool:
+    """:func:`check_tensor`'s rules, for the common case only (exact ``str``, ``list``/``tuple`` and ``int``
+    types): True means valid; False means the full checks decide, and say what is wrong. One pass, no ABCs:
+    this runs for every tensor of every header and manifest."""
+    if type(name) is not str or not name or name == "__metadata__" or type(dtype) is not str:
+        return False
+    size = _ITEMSIZE.get(dtype)
+    if size is None or (type(shape) is not list and type(shape) is not tuple):
+        return False
+    n = size
+    for d in shape:
+        if type(d) is not int or not 0 <= d < _TORCH_DIM:
+            return False
+        n *= d
+        if n >= _USIZE:
+            return False
+    return _is_utf8(name)
 
 
 def _corrupt(source: str, exc: _Refused) -> HandoffCorruptError:

@@ -34,7 +34,8 @@ from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
 from stagesafe.handoff.shards import UNCHANGED
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.optimizer_state import bound_folder, remove_state
-from stagesafe.handoff.read import committed_manifest, committed_or_none, committed_shards
+from stagesafe.handoff import known_manifests
+from stagesafe.handoff.read import checked_manifest, committed_bytes, committed_or_none
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.handoff.shards import ShardRecord
 
@@ -99,6 +100,9 @@ def commit_handoff(
     before = committed_or_none(folder)
     replaced = set(before["shards"]) if before is not None else set()
     text = (readable_json(manifest) + "\n").encode()
+    index = index_text(manifest)
+    # Validated by build_manifest: a read of these bytes need not check them again.
+    known_manifests.remember(known_manifests.key_of(text), frozenset(manifest["shards"]))
     folder.transfer(
         lambda: folder.write(MANIFEST_NAME, text),
         what=f"commit {folder.url!r} (write {MANIFEST_NAME})",
@@ -108,7 +112,7 @@ def commit_handoff(
     )
     fsync_dir(fs, root)
     try:
-        index_follows_the_manifest(folder)
+        index_follows_the_manifest(folder, own=(text, index))
     except Exception as exc:  # noqa: BLE001 - committed: a stale index is repaired by the next save
         log.warning(
             "stagesafe: committed %s, but could not write its %s (%s); loaders that follow the index read the "
@@ -138,9 +142,17 @@ def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> N
 
 def write_index(folder: Folder, manifest: Mapping[str, Any]) -> None:
     """Write the Hugging Face index of ``manifest`` (the file loaders other than stagesafe follow)."""
-    index = readable_json(build_index(manifest["weight_map"], manifest["total_size"]), sort_keys=True) + "\n"
+    _write_index_text(folder, index_text(manifest))
+
+
+def index_text(manifest: Mapping[str, Any]) -> bytes:
+    """The bytes of the Hugging Face index of ``manifest``, as a commit writes them."""
+    return (readable_json(build_index(manifest["weight_map"], manifest["total_size"]), sort_keys=True) + "\n").encode()
+
+
+def _write_index_text(folder: Folder, index: bytes) -> None:
     folder.transfer(
-        lambda: folder.write(INDEX_NAME, index.encode()),
+        lambda: folder.write(INDEX_NAME, index),
         what=f"write {INDEX_NAME} to {folder.url!r}",
         hint=UNCHANGED,
         writing=True,
@@ -181,25 +193,42 @@ def _manifest(
     )
 
 
-def index_follows_the_manifest(folder: Folder) -> None:
+def index_follows_the_manifest(folder: Folder, *, own: tuple[bytes, bytes] | None = None) -> None:
     """Make the index describe the committed manifest, whichever writer committed last.
 
     Each writer writes its index after its manifest; with two writers at once, the last index written may
     belong to the commit that lost. A writer looks at the manifest, and writes the index from the manifest it
-    finds until the two agree: the last writer to look always sees the last commit.
+    finds until the two agree: the last writer to look always sees the last commit. ``own``: the bytes of the
+    manifest this writer committed and of its index; while the manifest there is still those bytes, the index
+    is compared byte for byte, and neither file is parsed.
     """
+    where = f"{folder.url}/{MANIFEST_NAME}"
     for _ in range(_INDEX_ROUNDS):
         try:
-            manifest = committed_manifest(folder, explain=False)
+            raw = committed_bytes(folder, explain=False)
+            mine = own is not None and raw == own[0]
+            manifest = None if mine else checked_manifest(raw, known_manifests.key_of(raw), where=where)
         except (HandoffNotFoundError, HandoffCorruptError):
             return
         try:
-            index = json.loads(folder.fs.cat_file(folder.path(INDEX_NAME)))
-            if index.get("weight_map") == manifest["weight_map"]:
+            current = folder.fs.cat_file(folder.path(INDEX_NAME))
+        except (OSError, ValueError):
+            current = None  # missing or unreadable: written below
+        if manifest is None:  # this writer's manifest, still the committed one: its index is known byte for byte
+            if current == own[1]:
                 return
-        except (OSError, ValueError, AttributeError):
-            pass  # missing or unreadable: written below
-        write_index(folder, manifest)
+            _write_index_text(folder, own[1])
+        elif current is None or not _same_weight_map(current, manifest):
+            _write_index_text(folder, index_text(manifest))
+        else:
+            return
+
+
+def _same_weight_map(index: bytes, manifest: Mapping[str, Any]) -> bool:
+    try:
+        return json.loads(index).get("weight_map") == manifest["weight_map"]
+    except (ValueError, AttributeError):
+        return False
 
 
 @functools.cache
@@ -224,6 +253,7 @@ def _versions() -> dict[str, str | None]:
 
 
 _ONE_LINE = {sort: json.JSONEncoder(sort_keys=sort, separators=(", ", ": ")) for sort in (False, True)}
+_STRING = json.encoder.encode_basestring_ascii  # what the encoders above write for a str (ensure_ascii)
 
 
 def readable_json(value: Any, *, sort_keys: bool = False, depth: int = 0) -> str:
@@ -234,6 +264,27 @@ def readable_json(value: Any, *, sort_keys: bool = False, depth: int = 0) -> str
         return _ONE_LINE[sort_keys].encode(value)
     pad = "  " * (depth + 1)
     items = sorted(value.items()) if sort_keys else value.items()
-    body = ",\n".join(f"{pad}{json.dumps(key)}: {readable_json(item, sort_keys=sort_keys, depth=depth + 1)}"
-                      for key, item in items)
+    if depth:  # a table (tensors, weight map): one row per tensor
+        body = ",\n".join(f"{pad}{_key(key)}: {_line(item, sort_keys)}" for key, item in items)
+    else:
+        body = ",\n".join(
+            f"{pad}{_key(key)}: {readable_json(item, sort_keys=sort_keys, depth=1)}" for key, item in items
+        )
     return "{\n" + body + "\n" + "  " * depth + "}"
+
+
+def _key(key: Any) -> str:
+    return _STRING(key) if type(key) is str else json.dumps(key)
+
+
+def _line(value: Any, sort_keys: bool) -> str:
+    """One table row on one line, as the encoder writes it; the two rows of every tensor, a name (weight map,
+    aliases) and ``{"dtype", "shape"}``, are written here without the encoder's per-call set-up (a few
+    microseconds a row, tens of thousands of rows)."""
+    if type(value) is str:
+        return _STRING(value)
+    if type(value) is dict and len(value) == 2 and next(iter(value)) == "dtype":
+        dtype, shape = value.get("dtype"), value.get("shape")
+        if type(dtype) is str and type(shape) is list and all(type(d) is int for d in shape):
+            return f'{{"dtype": {_STRING(dtype)}, "shape": [{", ".join(map(str, shape))}]}}'
+    return _ONE_LINE[sort_keys].encode(value)

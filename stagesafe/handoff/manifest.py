@@ -102,7 +102,7 @@ def build_manifest(
             "shards": {name: {digest: rec["hexdigest"], "size": int(rec["size"])} for name, rec in shards.items()},
             "weight_map": dict(weight_map),
             "tensors": {
-                name: {"dtype": meta["dtype"], "shape": [int(d) for d in meta["shape"]]}
+                name: {"dtype": meta["dtype"], "shape": list(map(int, meta["shape"]))}
                 for name, meta in tensors.items()
             },
             "aliases": dict(aliases),
@@ -112,7 +112,7 @@ def build_manifest(
         }
     )
     manifest["checksum"] = manifest_checksum(manifest)
-    return validate_manifest(manifest, source="the new manifest")
+    return _validated(manifest, source="the new manifest", checksum_known=True)
 
 
 def digest_of(manifest: Mapping[str, Any]) -> str:
@@ -129,22 +129,69 @@ def manifest_checksum(manifest: Mapping[str, Any]) -> str:
     """sha256 of the manifest's own content (every key but this one, canonical JSON): the shards' hashes protect
     the weights, this protects the tables that say which bytes are which tensor (weight map, aliases, dtypes)."""
     body = {key: value for key, value in manifest.items() if key != "checksum"}
-    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    return hashlib.sha256(_canonical(body).encode()).hexdigest()
+
+
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"))
+_json_string = json.encoder.encode_basestring_ascii  # a str as the encoder writes it (ensure_ascii)
+_TABLES = ("aliases", "tensors", "weight_map")  # a row per tensor
+
+
+def _canonical(body: dict[str, Any]) -> str:
+    """``json.dumps(body, sort_keys=True, separators=(",", ":"))``, the per-tensor tables written row by row:
+    the encoder's key sorting makes a list for every row's dict, which at 20,000 tensors costs more than the rest
+    of the checksum (it sets off the garbage collector over everything alive)."""
+    if not all(type(key) is str for key in body):
+        return _CANONICAL.encode(body)
+    parts = []
+    for key in sorted(body):
+        value = body[key]
+        table = _canonical_table(value) if key in _TABLES and type(value) is dict else None
+        parts.append(f"{_json_string(key)}:{_CANONICAL.encode(value) if table is None else table}")
+    return "{" + ",".join(parts) + "}"
+
+
+def _canonical_table(table: dict[str, Any]) -> str | None:
+    """A table's canonical JSON, or None (the encoder's, then) if a row is not a name or ``{"dtype", "shape"}``."""
+    if not all(type(key) is str for key in table):
+        return None
+    rows = []
+    for key in sorted(table):
+        value = table[key]
+        if type(value) is str:
+            rows.append(f"{_json_string(key)}:{_json_string(value)}")
+            continue
+        if type(value) is not dict or len(value) != 2:
+            return None
+        dtype, shape = value.get("dtype"), value.get("shape")
+        if type(dtype) is not str or type(shape) is not list or not all(type(d) is int for d in shape):
+            return None
+        rows.append(f'{_json_string(key)}:{{"dtype":{_json_string(dtype)},"shape":[{",".join(map(str, shape))}]}}')
+    return "{" + ",".join(rows) + "}"
 
 
 def validate_manifest(manifest: Any, *, source: str) -> dict[str, Any]:
     """Check a manifest's structure and internal consistency; raise ``HandoffCorruptError`` naming what is off."""
 
+    return _validated(manifest, source=source, checksum_known=False)
+
+
+def _validated(manifest: Any, *, source: str, checksum_known: bool) -> dict[str, Any]:
+    """:func:`validate_manifest`; ``checksum_known``: its checksum was just computed from it (a new manifest),
+    so it is not computed again."""
+
     def bad(what: str) -> HandoffCorruptError:
         return HandoffCorruptError(f"{source}: {what}; the handoff cannot be trusted, write it again")
 
-    fmt = _checked_fields(manifest, source, bad)
+    fmt = _checked_fields(manifest, source, bad, checksum_known=checksum_known)
     digest = _checked_digest(manifest, fmt, source, bad)
     _check_tables(manifest, digest, bad)
     return manifest
 
 
-def _checked_fields(manifest: Any, source: str, bad: Callable[[str], HandoffCorruptError]) -> str:
+def _checked_fields(
+    manifest: Any, source: str, bad: Callable[[str], HandoffCorruptError], *, checksum_known: bool = False
+) -> str:
     """The manifest's format, once it is one this stagesafe reads, every field is there with its JSON type,
     and its checksum matches its content."""
     if not isinstance(manifest, dict):
@@ -169,6 +216,8 @@ def _checked_fields(manifest: Any, source: str, bad: Callable[[str], HandoffCorr
     ):
         if not isinstance(manifest.get(key), kind):
             raise bad(f"'{key}' is missing or not a {kind.__name__}")
+    if checksum_known:
+        return fmt
     try:
         checksum = manifest_checksum(manifest)
     except RecursionError:

@@ -72,6 +72,7 @@ def plan_specs(
     taken: Iterable[str] = (),
     state_dict: Mapping[str, Any] | None = None,
     sizes: Mapping[str, int] | None = None,
+    owned: bool = False,
 ) -> HandoffPlan:
     """The plan for tensors known by ``specs`` (name -> ``{"dtype", "shape"}``, every name in state-dict order)
     and their tied-name ``aliases`` (stored once, under the name they point to): the same shards for the same
@@ -81,7 +82,8 @@ def plan_specs(
     this commit's own: tagged ``tag`` (so that several ranks plan alike) or a random tag that avoids the names in
     ``taken``. ``sizes``: the bytes of each stored tensor, in the order shards are filled, for a caller that
     knows them without torch (by default they are computed from ``specs``). ``state_dict`` is where the writer
-    takes the values from (a lazy mapping may read each one as its bytes are due).
+    takes the values from (a lazy mapping may read each one as its bytes are due). ``owned``: ``specs`` was
+    built for this plan alone (``{"dtype", "shape"}`` dicts, the shapes lists) and is kept, not copied.
     """
     limit = parse_size(max_shard_size)
     if sizes is None:
@@ -91,7 +93,7 @@ def plan_specs(
     return HandoffPlan(
         shards=shards,
         weight_map={name: file for file, names in shards.items() for name in names},
-        tensors={name: {"dtype": spec["dtype"], "shape": list(spec["shape"])} for name, spec in specs.items()},
+        tensors=specs if owned else {n: {"dtype": s["dtype"], "shape": list(s["shape"])} for n, s in specs.items()},
         aliases=dict(aliases),
         total_size=sum(sizes.values()),
         state_dict=state_dict if state_dict is not None else {},
@@ -122,7 +124,17 @@ def plan_shards(entries: Iterable[tuple[str, int]], max_shard_size: int) -> list
 
 def dtype_name(dtype: torch.dtype | str) -> str:
     """A torch dtype's name as the format records it (``torch.bfloat16`` -> ``"bfloat16"``)."""
-    return str(dtype).removeprefix("torch.")
+    try:
+        return _DTYPE_NAMES[dtype]  # computed once per dtype: this runs per tensor
+    except KeyError:
+        name = _DTYPE_NAMES[dtype] = str(dtype).removeprefix("torch.")
+    except TypeError:  # unhashable: not a dtype, but named all the same in the error that follows
+        name = str(dtype).removeprefix("torch.")
+    return name
+
+
+_DTYPE_NAMES: dict[Any, str] = {}
+
 
 
 def supported_dtype(name: str) -> bool:

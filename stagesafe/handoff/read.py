@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, HandoffNotReadyError, clip
 from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import digest as _digest
+from stagesafe.handoff import known_manifests
 from stagesafe.handoff import local_shards as _local_shards
 from stagesafe.storage.folder import Folder, check_workers, each
 from stagesafe.storage.fs import basename, bucket_of, is_local, join, list_files, url_of
@@ -39,6 +40,8 @@ __all__ = [
     "check_bytes",
     "check_contents",
     "check_present",
+    "checked_manifest",
+    "committed_bytes",
     "committed_manifest",
     "committed_or_none",
     "committed_shards",
@@ -174,20 +177,46 @@ def fetch_manifest(folder: Folder) -> dict[str, Any]:
 
 def committed_manifest(folder: Folder, *, explain: bool = True) -> dict[str, Any]:
     """The committed manifest (one try). ``explain=False``: skip looking around for a helpful not-found message."""
+    raw = committed_bytes(folder, explain=explain)
+    return checked_manifest(raw, known_manifests.key_of(raw), where=f"{folder.url}/{MANIFEST_NAME}")
+
+
+def committed_bytes(folder: Folder, *, explain: bool = True) -> bytes:
+    """The committed manifest's bytes, unparsed (one try); ``HandoffNotFoundError`` if there is none."""
     where = f"{folder.url}/{MANIFEST_NAME}"
     try:
-        raw = read_in(folder.fs, folder.root, MANIFEST_NAME, limit=MAX_JSON, error=HandoffCorruptError, what=where)
+        return read_in(folder.fs, folder.root, MANIFEST_NAME, limit=MAX_JSON, error=HandoffCorruptError, what=where)
     except (FileNotFoundError, NotADirectoryError):
         message = _not_found_message(folder) if explain else f"no handoff at {folder.url!r}"
         raise HandoffNotFoundError(message) from None
-    return validate_manifest(parse_json(raw, where), source=where)
+
+
+def checked_manifest(raw: bytes, key: str, *, where: str) -> dict[str, Any]:
+    """The manifest in ``raw`` (whose :func:`~stagesafe.handoff.known_manifests.key_of` is ``key``), validated
+    unless the same bytes were found valid before (:mod:`~stagesafe.handoff.known_manifests`)."""
+    manifest = parse_json(raw, where)
+    if known_manifests.lookup(key) is None:
+        validate_manifest(manifest, source=where)
+        known_manifests.remember(key, frozenset(manifest["shards"]))
+    return manifest
 
 
 def committed_shards(folder: Folder) -> set[str]:
     """The shard files of the committed handoff in ``folder``; none if there is none or it cannot be read (its
     files are then left to the age rule of :func:`~stagesafe.handoff.cleanup.remove_stale`)."""
-    manifest = committed_or_none(folder)
-    return set(manifest["shards"]) if manifest is not None else set()
+
+    def shards() -> set[str]:
+        raw = committed_bytes(folder, explain=False)
+        key = known_manifests.key_of(raw)
+        known = known_manifests.lookup(key)  # bytes this process wrote or read: no need to parse them again
+        if known is not None:
+            return set(known)
+        return set(checked_manifest(raw, key, where=f"{folder.url}/{MANIFEST_NAME}")["shards"])
+
+    try:
+        return folder.transfer(shards, what=f"read {folder.url}/{MANIFEST_NAME}")
+    except (HandoffNotFoundError, HandoffCorruptError):
+        return set()
 
 
 def committed_or_none(folder: Folder) -> dict[str, Any] | None:

@@ -24,6 +24,7 @@ from stagesafe.storage.folder import Folder, check_retry, check_workers, each
 from stagesafe.storage.fs import is_local
 from stagesafe.handoff.names import is_shard_name
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
+from stagesafe.handoff.tensor_bytes import SmallRun
 from stagesafe.progress import bytes_bar
 from stagesafe.storage.retry import RetryPolicy
 
@@ -145,7 +146,8 @@ def write_shard(
     Tensors are moved to the CPU and made contiguous; tensors whose bytes overlap (views of one another) are
     written as independent copies, which safetensors requires. With ``specs`` (name -> ``{"dtype", "shape"}``,
     as in ``HandoffPlan.tensors``) ``tensors`` may be a lazy mapping: each tensor is read only when its bytes
-    are due and dropped after, so memory holds one tensor; a value may be :class:`Pieces`, written piece by
+    are due and dropped after, so memory holds one tensor (small ones are copied into a run of up to 16 MiB
+    written as one chunk, :mod:`~stagesafe.handoff.tensor_bytes`); a value may be :class:`Pieces`, written piece by
     piece without joining them. The write (one PUT or multipart upload on an object
     store) is tried again on transient errors as ``retry`` says, until ``stop`` is set (another shard failed).
     """
@@ -189,18 +191,23 @@ def _safetensors_chunks(
     header: bytes, specs: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor | Pieces]
 ) -> Iterator[bytes | memoryview]:
     yield header
+    run = SmallRun()  # consecutive small tensors, written as one chunk (tensor_bytes.py)
     for name, spec in specs.items():
         value = tensors[name]
         if isinstance(value, Pieces):
             dtype, shape, parts, done = value.dtype, value.shape, value.parts, value.done
+        elif SmallRun.takes(value):
+            _check_planned(name, value.dtype, value.shape, spec)
+            if run.add(value):
+                yield run.take()
+            del value
+            continue
         else:
             parts, done = (value.detach().to("cpu").contiguous(),), None
             dtype, shape = parts[0].dtype, parts[0].shape
-        if dtype_name(dtype) != spec["dtype"] or list(shape) != list(spec["shape"]):
-            raise InvalidArgumentError(
-                f"tensor {name!r} is {dtype_name(dtype)}{list(shape)} but was planned as "
-                f"{spec['dtype']}{list(spec['shape'])}; the state dict changed while it was being written"
-            )
+        _check_planned(name, dtype, shape, spec)
+        if run.nbytes:
+            yield run.take()
         for part in parts:
             data = _piece_bytes(part)
             if data is not None:
@@ -209,6 +216,16 @@ def _safetensors_chunks(
                 if done is not None:
                     done(part)
         del value, parts
+    if run.nbytes:
+        yield run.take()
+
+
+def _check_planned(name: str, dtype: torch.dtype | str, shape: Iterable[int], spec: Mapping[str, Any]) -> None:
+    if dtype_name(dtype) != spec["dtype"] or list(shape) != list(spec["shape"]):
+        raise InvalidArgumentError(
+            f"tensor {name!r} is {dtype_name(dtype)}{list(shape)} but was planned as "
+            f"{spec['dtype']}{list(spec['shape'])}; the state dict changed while it was being written"
+        )
 
 
 def _piece_bytes(part: torch.Tensor | bytes | bytearray | memoryview) -> memoryview | None:

@@ -38,17 +38,49 @@ def plan_handoff(
             f"state_dict must be a mapping of str to torch.Tensor, got {type(state_dict).__name__}"
         )
     specs: dict[str, dict[str, Any]] = {}
+    sizes: dict[str, int] = {}
     aliases: dict[str, str] = {}
-    first_of: dict[tuple, str] = {}
+    at: dict[int, str | list[str]] = {}  # data pointer -> the stored name(s) there: ties share one
     for name, tensor in state_dict.items():
-        _check_entry(name, tensor)
-        specs[name] = {"dtype": dtype_name(tensor.dtype), "shape": list(tensor.shape)}
-        key = _view_identity(tensor)
-        if key is not None:
-            canonical = first_of.setdefault(key, name)
-            if canonical != name:
-                aliases[name] = canonical
-    return plan_specs(specs, aliases, max_shard_size=limit, tag=tag, taken=taken, state_dict=state_dict)
+        specs[name] = {"dtype": _checked_dtype(name, tensor), "shape": list(tensor.shape)}
+        canonical = _tied_to(name, tensor, at, state_dict) if tensor.numel() else None
+        if canonical is not None:
+            aliases[name] = canonical
+        else:
+            sizes[name] = tensor.nbytes
+    return plan_specs(
+        specs, aliases, max_shard_size=limit, tag=tag, taken=taken, state_dict=state_dict, sizes=sizes, owned=True
+    )
+
+
+def _tied_to(name: str, tensor: Any, at: dict[int, str | list[str]], state_dict: Mapping[str, Any]) -> str | None:
+    """The stored name ``tensor`` is the very same view as, if any; else it is recorded as stored. A tie needs
+    the same data pointer, so the full identity is computed only for the rare names that share one."""
+    ptr = tensor.data_ptr()
+    there = at.setdefault(ptr, name)
+    if there == name:
+        return None
+    names = [there] if isinstance(there, str) else there
+    key = _view_identity(tensor)
+    for other in names:
+        if _view_identity(state_dict[other]) == key:
+            return other
+    at[ptr] = [*names, name]
+    return None
+
+
+def _checked_dtype(name: Any, tensor: Any) -> str:
+    """The dtype name of a state dict's entry, once it is one a handoff stores (else :func:`_check_entry`'s
+    error); the common case in a few attribute reads, since it runs once per tensor."""
+    import torch
+
+    if type(name) is str and isinstance(tensor, torch.Tensor) and tensor.layout is torch.strided and not tensor.is_meta:
+        dtype = dtype_name(tensor.dtype)
+        if supported_dtype(dtype):
+            codec.check_name(name)
+            return dtype
+    _check_entry(name, tensor)
+    raise AssertionError(f"{name!r} passed _check_entry but not its quick form")  # pragma: no cover
 
 
 def _check_entry(name: Any, tensor: Any) -> None:
@@ -76,10 +108,9 @@ def _check_entry(name: Any, tensor: Any) -> None:
         )
 
 
-def _view_identity(tensor: torch.Tensor) -> tuple | None:
-    """Equal for two tensors exactly when they are the same view of the same memory (tied weights)."""
-    if tensor.numel() == 0:
-        return None  # empty tensors share no bytes; distinct ones may even report the same null pointer
+def _view_identity(tensor: torch.Tensor) -> tuple:
+    """Equal for two tensors exactly when they are the same view of the same memory (tied weights). Empty
+    tensors are never ties: they share no bytes, and distinct ones may report the same null pointer."""
     return (
         tensor.device,
         tensor.untyped_storage().data_ptr(),
