@@ -106,3 +106,15 @@ def test_a_store_that_fails_leaves_no_state_and_says_why(build, tmp_path):
     with pytest.raises(OSError):
         write_optimizer_handoff(engine, HandoffTarget(str(blocked)), source={})
     assert blocked.read_text() == "not a folder" and os.listdir(tmp_path) == ["a-file"]
+
+
+def test_a_state_whose_weights_were_not_committed_is_deleted(build, tmp_path):
+    """What a failed weights' write calls on every rank: rank 0 deletes the state written for them."""
+    from stagesafe.stages.optimizer_handoff import forget_optimizer_handoff
+
+    _, engine = _stepped(build, steps=1)
+    target = HandoffTarget(str(tmp_path / "handoff"))
+    bound = write_optimizer_handoff(engine, target, source={})
+    assert os.listdir(target.uri) == [bound["folder"]]
+    forget_optimizer_handoff(target, bound["folder"])
+    assert os.listdir(target.uri) == []
