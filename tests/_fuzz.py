@@ -222,7 +222,7 @@ def check_header(blob: bytes) -> str:
 
 # -- handoffs ------------------------------------------------------------------------------------------------------
 
-_READ_ERRORS = ("HandoffCorruptError", "HandoffNotFoundError")
+_READ_ERRORS = ("HandoffCorruptError", "HandoffNotFoundError", "HandoffNotReadyError")  # not ready: an index missing, as a save cut short between its commit and its index leaves it
 
 
 @st.composite
