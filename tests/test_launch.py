@@ -1,0 +1,36 @@
+"""The test launcher itself: what two ranks print into one stdout file comes back as whole lines."""
+
+from __future__ import annotations
+
+import sys
+import textwrap
+
+from tests._launch import run_script
+
+# A parent and its child (as Lightning's rank 0 and the rank 1 it starts) print into the same stdout file at once.
+TWO_PRINTERS = textwrap.dedent("""
+    import subprocess, sys
+    rank = sys.argv[1] if len(sys.argv) > 1 else "0"
+    child = subprocess.Popen([sys.executable, __file__, "1"]) if rank == "0" else None
+    for i in range(3000):
+        print("LINE", rank, i, "x" * 200, "END")
+    if child is not None:
+        sys.exit(child.wait())
+""")
+
+
+def test_lines_printed_by_two_ranks_at_once_never_interleave(tmp_path):
+    script = tmp_path / "two_printers.py"
+    script.write_text(TWO_PRINTERS)
+    lines = run_script(str(script), timeout=120).stdout.splitlines()
+    assert len(lines) == 6000
+    broken = [line for line in lines if line.split()[0] != "LINE" or line.split()[-1] != "END" or len(line.split()) != 5]
+    assert broken == [], broken[:3]
+    for rank in ("0", "1"):
+        assert [int(line.split()[2]) for line in lines if line.split()[1] == rank] == list(range(3000))
+
+
+def test_a_launched_process_writes_its_stdout_a_line_at_a_time(tmp_path):
+    script = tmp_path / "buffering.py"
+    script.write_text("import sys; print(sys.stdout.line_buffering, 'PYTHONUNBUFFERED' in __import__('os').environ)")
+    assert run_script(str(script)).stdout.split() == ["True", "False"]
