@@ -18,7 +18,9 @@ failure is recorded, not raised).
 fresh process per row, ``--repeat`` saves each (the first into an empty folder, the others replacing it, as a
 stage's handoff replaces the last); ``--trees`` times the stagesafe of other source trees in the same run (a
 ``git archive`` of an older commit: before and after side by side, interleaved). ``--arms`` with no value skips
-the Trainer rows:
+the Trainer rows. ``--floor`` times, the same way, what any boundary that handles each tensor pays however it is
+written: one ``.data`` assignment a parameter, ``module.state_dict()``, safetensors' own ``save_file`` and
+``load_file``:
     python benchmarks/bench_many_tensors.py --arms --save-state-dict --counts 5000 20000 70000 --trees /tmp/old .
 
 DeepSpeed's engine checks the optimizer's groups for duplicates with a loop over the parameters that lists every
@@ -123,6 +125,68 @@ for i in range(repeat):
 shutil.rmtree(root, ignore_errors=True)
 print("SAVE " + json.dumps({"stagesafe": stagesafe.__file__, "seconds": seconds}), flush=True)
 """
+
+
+# The floor: what any per-tensor boundary pays, by the libraries' own code and one Python step a tensor, in a fresh
+# process. argv: tensors, floats, repeat, root. Best of ``repeat`` for each.
+FLOOR_JOB = """
+import json, os, shutil, sys, time
+import torch
+from torch import nn
+from safetensors.torch import load_file, save_file
+tensors, floats, repeat, root = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+torch.manual_seed(0)
+module = nn.Module()
+for i in range(tensors):
+    module.register_parameter(f"p{i}", nn.Parameter(torch.randn(floats)))
+os.makedirs(root, exist_ok=True)
+path = os.path.join(root, "floor.safetensors")
+state = {k: v.detach() for k, v in module.state_dict().items()}
+
+def set_data():
+    for p in module.parameters():
+        p.data = p.data
+
+steps = {
+    "one .data assignment a parameter": set_data,
+    "module.state_dict()": module.state_dict,
+    "safetensors save_file": lambda: save_file(state, path),
+    "safetensors load_file": lambda: load_file(path),
+}
+best = {}
+for name, step in steps.items():
+    seconds = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        step()
+        seconds.append(time.perf_counter() - start)
+    best[name] = min(seconds)
+shutil.rmtree(root, ignore_errors=True)
+print("FLOOR " + json.dumps(best), flush=True)
+"""
+
+
+def floor_table(args: argparse.Namespace) -> list[dict]:
+    """The floor at each count beside the same bytes in ``--few`` tensors: each step's best seconds and ratio."""
+    rows = []
+    print(f"{'step':>36} {'tensors':>8} {'best s':>8} {'same bytes in few, s':>21} {'ratio':>7}")
+    for tensors in args.counts:
+        seen = {}
+        for count in (tensors, args.few):
+            floats = args.floats * tensors // count
+            command = [sys.executable, "-c", FLOOR_JOB, str(count), str(floats), str(args.repeat),
+                       os.path.join(args.root, "floor")]
+            done = subprocess.run(command, capture_output=True, text=True)
+            lines = [line for line in done.stdout.splitlines() if line.startswith("FLOOR ")]
+            if done.returncode != 0 or not lines:
+                print(done.stdout[-3000:], done.stderr[-3000:], file=sys.stderr)
+                raise SystemExit(f"the floor at {count} tensors failed")
+            seen[count] = json.loads(lines[0][6:])
+        for step, seconds in seen[tensors].items():
+            few = seen[args.few][step]
+            rows.append({"step": step, "tensors": tensors, "seconds": seconds, "few_seconds": few})
+            print(f"{step:>36} {tensors:>8} {seconds:8.4f} {few:21.4f} {seconds / max(few, 1e-9):7.0f}")
+    return rows
 
 
 def save_row(args: argparse.Namespace, tree: str, tensors: int, count: int) -> dict:
@@ -236,6 +300,8 @@ def main() -> None:
     parser.add_argument("--few", type=int, default=4, help="the baseline: the same bytes in this many tensors")
     parser.add_argument("--floats", type=int, default=16, help="floats per tensor (a multiple of 16)")
     parser.add_argument("--arms", nargs="*", default=["stock", "stagesafe"], choices=("stock", "stagesafe"))
+    parser.add_argument("--floor", action="store_true",
+                        help="time what any per-tensor boundary pays (library code, one Python step a tensor)")
     parser.add_argument("--save-state-dict", action="store_true",
                         help="time save_state_dict alone at --counts (and --few), each --trees' stagesafe")
     parser.add_argument("--trees", nargs="+", default=[os.path.dirname(HERE)],
@@ -258,6 +324,7 @@ def main() -> None:
         for count in args.counts:
             print(f"DeepSpeedEngine._check_for_duplicates, {count} parameters: {time_duplicate_check(count):.2f} s")
         return
+    floor = floor_table(args) if args.floor else []
     saves = save_table(args) if args.save_state_dict else []
     table = []
     for tensors in args.counts:
@@ -272,7 +339,7 @@ def main() -> None:
         show(table)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "table": table, "saves": saves}, f, indent=1)
+            json.dump({"args": vars(args), "table": table, "saves": saves, "floor": floor}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ SMALLEST = {
     "bench_host_memory.py": ["--model", "mlp", "--width", "64", "--layers", "2", "--steps", "1", "--sequence", "fit",
                              "test", "--handoff-optimizer-state", "--root", "{tmp}"],
     "bench_consolidate.py": ["--hidden", "128", "--layers", "2", "--repeat", "1", "--workdir", "{tmp}"],
-    "bench_many_tensors.py": ["--counts", "64", "--arms", "stagesafe", "--save-state-dict", "--repeat", "1",
+    "bench_many_tensors.py": ["--counts", "64", "--arms", "stagesafe", "--save-state-dict", "--floor", "--repeat", "1",
                               "--root", "{tmp}"],
     "bench_load.py": ["--gb", "0.01", "--shard", "5MB", "--repeat", "1", "--root", "{tmp}"],
     "bench_write_digest.py": ["--gb", "0.01", "--rounds", "1", "--root", "{tmp}"],

@@ -54,3 +54,57 @@ class RssPeak:
         self._thread.join()
         self.after = self.rss()
         self.peak = max(self.peak, self.after, self.high_water_mark() if self.exact else 0)
+
+
+def host_breakdown(top: int = 6) -> dict:
+    """What this process's resident memory is made of, to tell a tensor still referenced from memory the C heap
+    kept after a free or from a mapped file: the kernel's split (anonymous, file, shared), anonymous memory again
+    after ``malloc_trim``, the CPU tensors Python can still reach (unique storages, the largest kinds), and the
+    largest mappings."""
+    import collections
+    import gc
+    import warnings
+
+    import torch
+
+    def status() -> dict:
+        with open("/proc/self/status") as f:
+            return {k: int(v.split()[0]) / 1024 for k, v in (line.split(":", 1) for line in f)
+                    if k in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
+
+    out = {"mib": status()}
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+        out["mib_after_malloc_trim"] = status()
+    except (OSError, AttributeError):
+        pass
+    storages: dict = {}
+    kinds: collections.Counter = collections.Counter()
+    with warnings.catch_warnings():  # isinstance on some module objects warns of a deprecated name
+        warnings.simplefilter("ignore")
+        objects = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in objects:
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu" and not obj.is_meta:
+            try:
+                storage = obj.untyped_storage()
+            except (RuntimeError, NotImplementedError):
+                continue
+            if storage.nbytes() >= 2**20 and storage.data_ptr() not in storages:
+                storages[storage.data_ptr()] = storage.nbytes()
+                kinds[f"{type(obj).__name__} {obj.dtype} {tuple(obj.shape)}"] += storage.nbytes()
+    out["cpu_tensors_mib"] = sum(storages.values()) / 2**20
+    out["cpu_tensor_kinds_mib"] = {k: v / 2**20 for k, v in kinds.most_common(top)}
+    maps: list = []
+    try:
+        with open("/proc/self/smaps") as f:
+            name = ""
+            for line in f:
+                first = line.split()
+                if "-" in first[0] and not line.startswith(("Rss", "Pss")) and ":" not in first[0]:
+                    name = first[5] if len(first) > 5 else "[anon]"
+                elif first[0] == "Rss:":
+                    maps.append((int(first[1]) / 1024, name))
+    except OSError:
+        pass
+    out["largest_mappings_mib"] = sorted(maps, reverse=True)[:top]
+    return out

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from host_peak import RssPeak  # noqa: E402
+from host_peak import RssPeak, host_breakdown  # noqa: E402
 from make_zero_checkpoint import BigNet  # noqa: E402
 
 
@@ -82,6 +82,7 @@ def resume(args: argparse.Namespace) -> dict:
             finally:
                 timing["load_seconds"] = time.perf_counter() - start
                 peak.stop()
+                timing["host_after_load"] = host_breakdown()
 
     pl.seed_everything(2, verbose=False)
     module = BigModule(args.hidden, args.layers)
@@ -103,6 +104,7 @@ def resume(args: argparse.Namespace) -> dict:
         "devices": args.devices,
         "process_peak_rss_mib": max(peak.earlier, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**20,
         "global_step": trainer.global_step,
+        "host_after_fit": host_breakdown(),
         "parameters": sum(p.numel() for p in module.parameters()),
     }
     if torch.cuda.is_available() and args.accelerator == "gpu":
