@@ -40,10 +40,10 @@ def test_memory_from_empty_is_forgotten_once_its_tensors_are_gone():
     view = tensor[10:]
     del tensor
     gc.collect()
-    assert start in page_lock._own  # a view keeps the mapping
+    assert (start, start + 8000 + (-8000 % PAGE)) in page_lock.own_mappings()  # a view keeps the mapping
     del view
     gc.collect()
-    assert start not in page_lock._own
+    assert start not in dict(page_lock.own_mappings())
 
 
 def test_small_tensors_of_the_c_heap_are_never_locked_for_their_pages_hold_other_allocations():
@@ -128,7 +128,7 @@ def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_free
     start = run.start
     del ours, run  # no unlock: the mapping's release unlocks it before the pages go
     gc.collect()
-    assert start not in page_lock._locked and start not in page_lock._own
+    assert start not in dict(page_lock.locked_ranges()) and start not in dict(page_lock.own_mappings())
     large = empty((8 << 20,), torch.float32).zero_()
     buffers = HostBuffers({"large": large}, {"fresh": (torch.Size([1000]), torch.float32)},
                           lock_on=torch.device("cuda", torch.cuda.current_device())).ready()

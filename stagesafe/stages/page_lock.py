@@ -27,8 +27,8 @@ from typing import Iterable
 
 import torch
 
-__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "locked_ranges", "page_runs", "unlock",
-           "unlock_all"]
+__all__ = ["LOCKED_ELSEWHERE", "PageRun", "empty", "lock", "lockable", "locked_ranges", "own_mappings", "page_runs",
+           "unlock", "unlock_all"]
 
 PAGE = mmap.PAGESIZE
 HUGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and most arm64 kernels
@@ -139,6 +139,13 @@ def page_runs(tensors: Iterable[torch.Tensor]) -> list[PageRun]:
             with _registry_lock:
                 runs[ptr] = PageRun(ptr, _own[ptr], [tensor])  # a lockable storage starts its mapping
     return [runs[ptr] for ptr in sorted(runs)]
+
+
+def own_mappings() -> list[tuple[int, int]]:
+    """``(start, end)`` of every live mapping :func:`empty` made: the host memory stagesafe holds in pages of its
+    own (a stage end's buffers, the module's tensors moved there), for whoever accounts for a process's memory."""
+    with _registry_lock:
+        return sorted(_own.items())
 
 
 def locked_ranges() -> list[tuple[int, int]]:

@@ -107,4 +107,28 @@ def host_breakdown(top: int = 6) -> dict:
     except OSError:
         pass
     out["largest_mappings_mib"] = sorted(maps, reverse=True)[:top]
+    out["stagesafe_own_pages_mib"] = _own_pages_resident()
     return out
+
+
+def _own_pages_resident() -> dict:
+    """The host memory stagesafe holds in mappings of its own (a stage end's buffers made ready while the stage
+    runs, the module's tensors moved there): mapped and resident, from the kernel's smaps."""
+    from stagesafe.stages.page_lock import own_mappings
+
+    own = dict(own_mappings())
+    mapped = sum(end - start for start, end in own.items())
+    resident = 0
+    try:
+        with open("/proc/self/smaps") as f:
+            inside = False
+            for line in f:
+                first = line.split()
+                if "-" in first[0] and ":" not in first[0]:
+                    start, end = (int(x, 16) for x in first[0].split("-"))
+                    inside = own.get(start) == end
+                elif inside and first[0] == "Rss:":
+                    resident += int(first[1]) * 1024
+    except OSError:
+        pass
+    return {"mapped": mapped / 2**20, "resident": resident / 2**20, "mappings": len(own)}

@@ -75,6 +75,7 @@ def resume(args: argparse.Namespace) -> dict:
 
     class Timed(StageSafeDeepSpeedStrategy):
         def load_checkpoint(self, checkpoint_path, weights_only=None):
+            timing["host_before_load"] = host_breakdown()
             peak.start()
             start = time.perf_counter()
             try:
