@@ -4,7 +4,7 @@ shard writer of every path (``save_state_dict``, the strategy's ranks, ``consoli
 A shard's bytes go straight from the tensors to the file, hashed on the way: no serialized copy of the shard.
 Tensors are taken from the plan's state dict one at a time, as their bytes are due, so a lazy mapping (a
 checkpoint read tensor by tensor) holds one tensor per shard in flight. Shards are written under names the
-committed handoff does not use; :mod:`stagesafe.handoff.commit` then publishes them.
+committed handoff does not use; :mod:`stagesafe.publishing.commit` then publishes them.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """What :func:`~stagesafe.handoff.commit.commit` needs to know of a written shard: its ``digest`` (the name,
+    """What :func:`~stagesafe.publishing.commit.commit` needs to know of a written shard: its ``digest`` (the name,
     e.g. ``xxh3-128-tree``), the ``hexdigest`` of its bytes, and its ``size``. Plain data, so ranks can gather it."""
 
     digest: str
@@ -77,7 +77,7 @@ def write_shards(
 ) -> dict[str, ShardRecord]:
     """Write the shards ``files`` of ``plan`` (default: all; a share of them: each rank of a job may write its
     own), ``workers`` at a time (default: 4 on a remote filesystem, up to 4 on a local disk); return their
-    records, in the order of ``files``. :func:`~stagesafe.handoff.commit.commit` then publishes them all.
+    records, in the order of ``files``. :func:`~stagesafe.publishing.commit.commit` then publishes them all.
 
     Each shard's tensors are taken from ``plan.state_dict`` as their bytes are due (:func:`write_shard` with the
     plan's specs), so about ``workers`` tensors are in flight. If one shard fails, the others stop retrying,

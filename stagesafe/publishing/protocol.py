@@ -18,7 +18,7 @@ import fsspec
 from stagesafe.errors import StorageTransferError
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import delete_shards
-from stagesafe.handoff.commit import Commit, commit_handoff
+from stagesafe.publishing.commit import Commit, commit_handoff
 from stagesafe.handoff.names import INDEX_NAME
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.read import committed_shards
@@ -58,7 +58,7 @@ def write_and_commit(
     empty_before: bool = False,
 ) -> Commit | None:
     """Write ``files`` of ``plan`` (default: every shard), then commit; return the :class:`Commit` (None on a
-    rank that only posts). Deletes nothing the commit replaced: :func:`~stagesafe.handoff.commit.remove_replaced`.
+    rank that only posts). Deletes nothing the commit replaced: :func:`~stagesafe.publishing.commit.remove_replaced`.
 
     ``exchange``: the ranks of a write by several; a failure of this rank's share is posted before it is raised
     (rank 0 would otherwise wait out its timeout), and on rank 0 every rank's failure deletes every shard of the

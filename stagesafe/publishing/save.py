@@ -1,5 +1,5 @@
 """Saving a state dict as a handoff: the steps plan (:mod:`~stagesafe.handoff.plan`), write the shards
-(:mod:`~stagesafe.handoff.shards`) and commit (:mod:`~stagesafe.handoff.commit`), composed.
+(:mod:`~stagesafe.handoff.shards`) and commit (:mod:`~stagesafe.publishing.commit`), composed.
 
 The steps stay apart so that the ranks of a job can each write their own shards and one rank commits
 (:mod:`stagesafe.stages.shared_write`); :func:`save_state_dict` and :func:`save_streamed` are the two ways a
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Any
 from stagesafe.flags import checked_flag
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
-from stagesafe.handoff.commit import remove_replaced
+from stagesafe.publishing.commit import remove_replaced
 from stagesafe.storage.folder import check_retry, check_workers
 from stagesafe.storage.fs import check_not_a_file, resolve
 from stagesafe.handoff.manifest import check_metadata
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 from stagesafe.handoff.plan import plan_specs
-from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.publishing.protocol import write_and_commit
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.storage.retry import RetryPolicy
 
