@@ -28,10 +28,9 @@ from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
 from stagesafe.handoff.optimizer_state import binding, bound_folder, new_folder, refuse_other_dtype, remove_state
-from stagesafe.publishing.protocol import write_and_commit
+from stagesafe.publishing.protocol import write_and_commit_shown
 from stagesafe.handoff.read import committed_manifest, read_manifest
 from stagesafe.handoff.shards import Pieces
-from stagesafe.progress import bytes_bar
 from stagesafe.storage.folder import Folder
 from stagesafe.errors import (
     CheckpointFormatError,
@@ -138,16 +137,8 @@ def _write_weights(
     """The weights' shards, then their commit: see :func:`consolidate`."""
     taken = live_files(fs, root)
     plan = _plan(ckpt, out_dtype, limit, taken=taken)
-    bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
-    if bar is not None:
-        plan.state_dict.on_read = bar.update
-    try:
-        done = write_and_commit(
-            fs, root, plan, metadata=metadata, workers=workers, remove_root=created, empty_before=not taken
-        )
-    finally:
-        if bar is not None:
-            bar.close()
+    done = write_and_commit_shown(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress,
+                                  metadata=metadata, workers=workers, remove_root=created, empty_before=not taken)
     remove_replaced(fs, root, done)
     return done.manifest
 

@@ -163,7 +163,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         checked_bool("exclude_frozen_parameters", self.exclude_frozen_parameters)  # Lightning's; the handoff honours it
         self.overwrite_handoff = checked_bool("overwrite_handoff", overwrite_handoff)
         self._series = CallSeries(storage_options=self.storage_options, resume_from=self.resume_from,
-                                  overwrite=self.overwrite_handoff, max_shard_size=max_shard_size)
+                                  overwrite=self.overwrite_handoff)
         self._boundary: StageBoundary | None = None
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
         self._stepped = False  # an optimizer step was made in this call
@@ -259,7 +259,8 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         asked = self.handoff_uri
         if asked is None:
             asked = str(trainer.default_root_dir).rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
-        return self._series.target(asked, named=self.handoff_uri is not None, on_versioned=say_versioned)
+        return self._series.target(asked, named=self.handoff_uri is not None, max_shard_size=self.max_shard_size,
+                                   on_versioned=say_versioned)
 
     def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """The stage and step that a stage's new weights come from, for the handoff's metadata."""

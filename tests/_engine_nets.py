@@ -18,3 +18,16 @@ def state(model: nn.Module) -> dict[str, torch.Tensor]:
 def step(engine) -> None:
     engine.backward(engine(torch.randn(2, 6, device=engine.device)).pow(2).mean())
     engine.step()
+
+
+def consolidated_with_optimizer(build, folder) -> tuple[nn.Module, str]:
+    """A trained engine's module, and the handoff (weights and optimizer state) its checkpoint consolidates into
+    under ``folder``."""
+    from stagesafe.consolidate import consolidate
+
+    model = net()
+    engine = build(model)
+    step(engine)
+    engine.save_checkpoint(str(folder / "ckpt"))
+    consolidate(str(folder / "ckpt"), str(folder / "handoff"), optimizer=True)
+    return model, str(folder / "handoff")

@@ -4,10 +4,9 @@ per parameter beside its consolidated weights, committed as a handoff of its own
 from __future__ import annotations
 
 import pytest
-from _engine_nets import net, step
+from _engine_nets import consolidated_with_optimizer
 from test_engine import build, process_group  # noqa: F401 - fixtures
 
-from stagesafe.consolidate import consolidate
 from stagesafe.handoff.optimizer_state import open_form
 from stagesafe.handoff.read import load_state_dict
 
@@ -18,12 +17,7 @@ deepspeed = pytest.importorskip("deepspeed")
 def test_the_moments_are_written_per_parameter_and_bound_to_the_weights(build, tmp_path):  # noqa: F811
     from deepspeed.utils import safe_get_full_optimizer_state
 
-    model = net()
-    engine = build(model)
-    step(engine)
-    engine.save_checkpoint(str(tmp_path / "ckpt"))
-    dst = str(tmp_path / "handoff")
-    consolidate(str(tmp_path / "ckpt"), dst, optimizer=True)
+    model, dst = consolidated_with_optimizer(build, tmp_path)
     form = open_form(dst)
     assert form is not None and form.keys == ("exp_avg", "exp_avg_sq")
     assert set(form.group_of()) == {name for name, _ in model.named_parameters()}

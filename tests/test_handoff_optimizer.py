@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _engine_nets import net, step
+from _engine_nets import consolidated_with_optimizer
 from test_engine import build, process_group  # noqa: F401 - fixtures
 
-from stagesafe.consolidate import consolidate
 from stagesafe.handoff.optimizer_state import open_form
 from stagesafe.zero.handoff_optimizer import HandoffOptimizer
 
@@ -19,12 +18,7 @@ deepspeed = pytest.importorskip("deepspeed")
 def test_the_state_is_read_per_parameter_element_by_element(build, tmp_path):  # noqa: F811
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    model = net()
-    engine = build(model)
-    step(engine)
-    engine.save_checkpoint(str(tmp_path / "ckpt"))
-    dst = str(tmp_path / "handoff")
-    consolidate(str(tmp_path / "ckpt"), dst, optimizer=True)
+    model, dst = consolidated_with_optimizer(build, tmp_path)
     source = HandoffOptimizer(open_form(dst), dst)
     assert source.element_keys == ["exp_avg", "exp_avg_sq"] and source.master_dtype == "float32"
     assert source.param_group_of("0.weight") == 0 and source.partition_of_group(0) == 0

@@ -15,6 +15,12 @@ pytestmark = pytest.mark.timeout(300)
 deepspeed = pytest.importorskip("deepspeed")
 
 
+def test_no_layout_where_the_engine_has_no_optimizer_of_its_own(build):  # noqa: F811
+    engine = build(net(), optimizer=False)
+    assert optimizer_layout(engine) is None
+    assert optimizer_layout(object()) is None
+
+
 def test_the_users_optimizer_comes_back_over_the_modules_parameters(build):  # noqa: F811
     model = net()
     engine = build(model)
@@ -26,9 +32,3 @@ def test_the_users_optimizer_comes_back_over_the_modules_parameters(build):  # n
     assert isinstance(optimizer, torch.optim.AdamW)
     assert [id(p) for g in optimizer.param_groups for p in g["params"]] == [id(p) for p in model.parameters()]
     assert optimizer.param_groups[0]["lr"] == 0.1 and len(optimizer.state) == 0
-
-
-def test_no_layout_where_the_engine_has_no_optimizer_of_its_own(build):  # noqa: F811
-    engine = build(net(), optimizer=False)
-    assert optimizer_layout(engine) is None
-    assert optimizer_layout(object()) is None

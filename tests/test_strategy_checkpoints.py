@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(120)
 class _Strategy(CheckpointHooks):
     def __init__(self) -> None:
         super().__init__(stage=3)
-        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False, max_shard_size="1GB")
+        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
         self._boundary = None
         self._last_boundary = None
 

@@ -29,7 +29,7 @@ class _Writer:
 class _Strategy(GuardedCollectives):
     def __init__(self) -> None:
         super().__init__(parallel_devices=[torch.device("cpu")])
-        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False, max_shard_size="1GB")
+        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
 
 
 @pytest.mark.parametrize("call", [

@@ -22,8 +22,8 @@ class _Strategy(HandoffWaits):
     def __init__(self, root, *, wait_for_write: bool = False) -> None:
         super().__init__()
         self.wait_for_write = wait_for_write
-        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False, max_shard_size="1GB")
-        target = self._series.target(str(root / "handoff"), named=True, on_versioned=print)
+        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
+        target = self._series.target(str(root / "handoff"), named=True, max_shard_size="1MB", on_versioned=print)
         self.writer = self._series.writer_for(target, None, world_size=1, meta=False, timeout=30.0, on_commit=print)
         self._last_boundary = BoundaryReport(stage="fit", uri=target.uri, wrote=True)
 

@@ -25,13 +25,12 @@ from stagesafe.storage.fs import is_local
 from stagesafe.handoff.names import is_shard_name
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
 from stagesafe.handoff.tensor_bytes import SmallRun
-from stagesafe.progress import bytes_bar
 from stagesafe.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards", "write_shards_shown"]
+__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards"]
 
 UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 
@@ -110,22 +109,6 @@ def write_shards(
         Folder(fs, root).remove(started, empty_root=remove_root)
         raise
     return {file_name: written[file_name] for file_name in wanted}
-
-
-def write_shards_shown(
-    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, *, what: str, progress: bool | None, workers: int,
-    remove_root: bool,
-) -> dict[str, ShardRecord]:
-    """:func:`write_shards` of every shard of ``plan``, with a bar on stderr (:func:`stagesafe.progress.bytes_bar`)
-    counting the bytes its lazy ``state_dict`` reports through its ``on_read`` as it reads each tensor."""
-    bar = bytes_bar(progress, plan.total_size, what)
-    if bar is not None:
-        plan.state_dict.on_read = bar.update
-    try:
-        return write_shards(fs, root, plan, workers=workers, remove_root=remove_root)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def write_shard(

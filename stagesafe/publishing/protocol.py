@@ -26,6 +26,7 @@ from stagesafe.handoff.shards import UNCHANGED, ShardRecord, write_shards
 from stagesafe.storage.folder import Folder
 from stagesafe.storage.fs import url_of
 from stagesafe.storage.retry import RetryPolicy
+from stagesafe.progress import bytes_bar
 
 __all__ = ["RecordExchange", "write_and_commit"]
 
@@ -86,6 +87,24 @@ def write_and_commit(
         if empty_before and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
             Folder(fs, root).remove([*records, INDEX_NAME], empty_root=remove_root)
         raise  # else the shards are an interrupted save's, which the next save cleans up
+
+
+def write_and_commit_shown(
+    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, *, what: str, progress: bool | None, **kwargs: Any
+) -> Commit:
+    """:func:`write_and_commit` by this process alone (``kwargs``: its arguments but ``exchange``), with a bar on
+    stderr (:func:`stagesafe.progress.bytes_bar`) counting the bytes its lazy ``state_dict`` reports through its
+    ``on_read`` as it reads each tensor."""
+    bar = bytes_bar(progress, plan.total_size, what)
+    if bar is not None:
+        plan.state_dict.on_read = bar.update
+    try:
+        done = write_and_commit(fs, root, plan, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+    assert done is not None  # no exchange: this process commits
+    return done
 
 
 def _gathered(

@@ -28,8 +28,8 @@ FAILURE_GRACE = 60.0  # seconds a rank whose call failed waits for the others be
 class CallSeries:
     """The calls of one strategy, in order: where their handoff goes, who writes it, and how the last ended.
 
-    ``storage_options``, ``resume_from``, ``overwrite`` and ``max_shard_size``: the strategy's arguments of
-    those names (``overwrite``: ``overwrite_handoff``)."""
+    ``storage_options``, ``resume_from`` and ``overwrite``: the strategy's arguments of those names
+    (``overwrite``: ``overwrite_handoff``)."""
 
     def __init__(
         self,
@@ -37,21 +37,22 @@ class CallSeries:
         storage_options: Mapping[str, Any] | None,
         resume_from: str | None,
         overwrite: bool,
-        max_shard_size: int | str,
     ) -> None:
         self.storage_options = storage_options
         self.resume_from = resume_from
         self.overwrite = overwrite
-        self.max_shard_size = max_shard_size
         self.calls = 0  # Trainer calls entered
         self.writer: HandoffWriter | None = None
         self.location: tuple[str, Location] | None = None
         self.guard = CollectiveGuard()  # how the last calls ended, for the collectives that follow
         self._claimed: dict[str, str] = {}  # the folder asked for -> the one this run writes (see ownership)
 
-    def target(self, asked: str, *, named: bool, on_versioned: Callable[[str, str], None]) -> HandoffTarget:
-        """The folder this run writes for ``asked``: claimed at its first call, every rank together (``named``:
-        the user named it; ``on_versioned(asked, taken)``: a default folder gave way to a versioned one)."""
+    def target(
+        self, asked: str, *, named: bool, max_shard_size: int | str, on_versioned: Callable[[str, str], None]
+    ) -> HandoffTarget:
+        """The folder this run writes for ``asked``, its shards at most ``max_shard_size``: claimed at its first
+        call, every rank together (``named``: the user named it; ``on_versioned(asked, taken)``: a default folder
+        gave way to a versioned one)."""
         if asked not in self._claimed:
             uri = claim_folder(asked, self.storage_options, named=named, resume_from=self.resume_from,
                                overwrite=self.overwrite)
@@ -59,7 +60,7 @@ class CallSeries:
                 on_versioned(asked, uri)
             self._claimed[asked] = uri
         return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options,
-                             max_shard_size=self.max_shard_size)
+                             max_shard_size=max_shard_size)
 
     def writer_for(
         self,
