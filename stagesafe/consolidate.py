@@ -21,14 +21,13 @@ from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
-from stagesafe.publishing.commit import remove_replaced
 from stagesafe.storage.fs import list_files, resolve, url_of
 from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
 from stagesafe.handoff.optimizer_state import binding, bound_folder, new_folder, refuse_other_dtype, remove_state
-from stagesafe.publishing.protocol import write_and_commit_shown
+from stagesafe.publishing.protocol import write_and_replace
 from stagesafe.handoff.read import committed_manifest, read_manifest
 from stagesafe.handoff.shards import Pieces
 from stagesafe.storage.folder import Folder
@@ -137,10 +136,8 @@ def _write_weights(
     """The weights' shards, then their commit: see :func:`consolidate`."""
     taken = live_files(fs, root)
     plan = _plan(ckpt, out_dtype, limit, taken=taken)
-    done = write_and_commit_shown(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress,
-                                  metadata=metadata, workers=workers, remove_root=created, empty_before=not taken)
-    remove_replaced(fs, root, done)
-    return done.manifest
+    return write_and_replace(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress, metadata=metadata,
+                             workers=workers, remove_root=created, empty_before=not taken)
 
 
 def load_zero_checkpoint(

@@ -13,8 +13,7 @@ from typing import Any
 
 from stagesafe.errors import CheckpointFormatError
 from stagesafe.handoff.cleanup import live_files
-from stagesafe.publishing.commit import remove_replaced
-from stagesafe.publishing.protocol import write_and_commit_shown
+from stagesafe.publishing.protocol import write_and_replace
 from stagesafe.storage.fs import join
 from stagesafe.handoff.optimizer_state import FormGroup, form_metadata, state_name
 from stagesafe.handoff.plan import plan_specs
@@ -56,10 +55,8 @@ def write_optimizer_state(
                       state_dict=_LazyState(optimizer, specs), sizes=sizes)
     metadata = form_metadata(keys=optimizer.element_keys, groups=groups, loss_scaler=optimizer.plain_loss_scaler(),
                              source=source)
-    done = write_and_commit_shown(fs, state_root, plan, what=f"optimizer state of {ckpt.tag}", progress=progress,
-                                  metadata=metadata, workers=workers, remove_root=created)
-    remove_replaced(fs, state_root, done)
-    return done.manifest
+    return write_and_replace(fs, state_root, plan, what=f"optimizer state of {ckpt.tag}", progress=progress,
+                             metadata=metadata, workers=workers, remove_root=created)
 
 
 def _groups(optimizer: CheckpointOptimizer) -> list[FormGroup]:

@@ -18,7 +18,7 @@ import fsspec
 from stagesafe.errors import StorageTransferError
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import delete_shards
-from stagesafe.publishing.commit import Commit, commit_handoff
+from stagesafe.publishing.commit import Commit, commit_handoff, remove_replaced
 from stagesafe.handoff.names import INDEX_NAME
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.read import committed_shards
@@ -28,7 +28,7 @@ from stagesafe.storage.fs import url_of
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.progress import bytes_bar
 
-__all__ = ["RecordExchange", "write_and_commit"]
+__all__ = ["RecordExchange", "write_and_commit", "write_and_replace"]
 
 
 class RecordExchange(Protocol):
@@ -89,24 +89,6 @@ def write_and_commit(
         raise  # else the shards are an interrupted save's, which the next save cleans up
 
 
-def write_and_commit_shown(
-    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, *, what: str, progress: bool | None, **kwargs: Any
-) -> Commit:
-    """:func:`write_and_commit` by this process alone (``kwargs``: its arguments but ``exchange``), with a bar on
-    stderr (:func:`stagesafe.progress.bytes_bar`) counting the bytes its lazy ``state_dict`` reports through its
-    ``on_read`` as it reads each tensor."""
-    bar = bytes_bar(progress, plan.total_size, what)
-    if bar is not None:
-        plan.state_dict.on_read = bar.update
-    try:
-        done = write_and_commit(fs, root, plan, **kwargs)
-    finally:
-        if bar is not None:
-            bar.close()
-    assert done is not None  # no exchange: this process commits
-    return done
-
-
 def _gathered(
     fs: fsspec.AbstractFileSystem,
     root: str,
@@ -137,3 +119,29 @@ def _committed_here(fs: fsspec.AbstractFileSystem, root: str, files: Mapping[str
         return bool(committed_shards(Folder(fs, root)) & set(files))
     except Exception:  # noqa: BLE001 - the store is failing
         return True
+
+
+def write_and_replace(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    *,
+    what: str = "",
+    progress: bool | None = False,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """A write by this process alone: :func:`write_and_commit` (``kwargs``: its arguments but ``exchange``), then
+    the replaced handoff's files deleted; returns the manifest. ``progress``: a bar on stderr
+    (:func:`stagesafe.progress.bytes_bar`, titled ``what``) counting the bytes the plan's lazy ``state_dict``
+    reports through its ``on_read`` as it reads each tensor."""
+    bar = bytes_bar(progress, plan.total_size, what)
+    if bar is not None:
+        plan.state_dict.on_read = bar.update
+    try:
+        done = write_and_commit(fs, root, plan, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+    assert done is not None  # no exchange: this process commits
+    remove_replaced(fs, root, done)
+    return done.manifest
