@@ -31,7 +31,7 @@ from bench_boundary import disk_write_seconds  # noqa: E402
 
 from stagesafe.storage.fs import resolve  # noqa: E402
 from stagesafe.handoff.cleanup import live_files  # noqa: E402
-from stagesafe.handoff.commit import Commit, commit_handoff, remove_replaced  # noqa: E402
+from stagesafe.publishing.commit import Commit, commit_handoff, remove_replaced  # noqa: E402
 from stagesafe.handoff.tensor_plan import plan_handoff  # noqa: E402
 from stagesafe.handoff.shards import write_shards  # noqa: E402
 from stagesafe.stages.channel import JobChannel  # noqa: E402

@@ -56,9 +56,14 @@ def _doc(obj: object) -> list[str]:
 
 
 def _members(cls: type) -> list[str]:
-    """Public methods and properties the class defines itself (not Lightning's), with their docstrings."""
+    """Public methods and properties the class and its stagesafe bases define (not Lightning's), with their
+    docstrings."""
+    own: dict[str, object] = {}
+    for base in reversed(cls.__mro__):  # the class's own definition wins over its bases'
+        if base is cls or base.__module__.startswith("stagesafe."):
+            own.update(vars(base))
     lines = []
-    for attr, value in sorted(vars(cls).items()):
+    for attr, value in sorted(own.items()):
         if attr.startswith("_") or not (inspect.isfunction(value) or isinstance(value, property)):
             continue
         if not inspect.getdoc(value):

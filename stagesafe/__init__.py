@@ -47,8 +47,8 @@ _LAZY = {
     "RetryPolicy": "stagesafe.storage.retry",
     "load_state_dict": "stagesafe.handoff.read",
     "read_manifest": "stagesafe.handoff.read",
-    "save_state_dict": "stagesafe.handoff.save",
-    "verify": "stagesafe.handoff.verify",
+    "save_state_dict": "stagesafe.publishing.save",
+    "verify": "stagesafe.publishing.verify",
 }
 
 __all__ = [

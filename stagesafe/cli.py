@@ -323,7 +323,7 @@ def _verify(args: argparse.Namespace) -> int:
     from stagesafe.storage.fs import join, resolve
     from stagesafe.errors import HandoffNotFoundError
     from stagesafe.handoff.manifest import digest_of
-    from stagesafe.handoff.verify import verify
+    from stagesafe.publishing.verify import verify
 
     options = dict(args.storage_options) or None
     try:

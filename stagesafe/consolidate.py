@@ -2,7 +2,7 @@
 
 :func:`consolidate` reads the checkpoint lazily (:mod:`stagesafe.zero.checkpoint`) and writes with the handoff's
 own steps (:func:`~stagesafe.handoff.plan.plan_specs`, :func:`~stagesafe.handoff.shards.write_shards`,
-:func:`~stagesafe.handoff.commit.commit`), so a consolidated checkpoint and a strategy handoff are the same format,
+:func:`~stagesafe.publishing.commit.commit`), so a consolidated checkpoint and a strategy handoff are the same format,
 planned and written by the same code. Only the tensors of the shards being written are in memory.
 :func:`load_zero_checkpoint` reads a (small) checkpoint into memory instead, and :func:`inspect_checkpoint`
 describes a handoff or a ZeRO checkpoint without reading tensor data.
@@ -21,17 +21,15 @@ from typing import TYPE_CHECKING, Any
 
 from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
 from stagesafe.handoff.codec import check_tensor
-from stagesafe.handoff.commit import remove_replaced
 from stagesafe.storage.fs import list_files, resolve, url_of
 from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
 from stagesafe.handoff.optimizer_state import binding, bound_folder, new_folder, refuse_other_dtype, remove_state
-from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.publishing.protocol import write_and_replace
 from stagesafe.handoff.read import committed_manifest, read_manifest
 from stagesafe.handoff.shards import Pieces
-from stagesafe.progress import bytes_bar
 from stagesafe.storage.folder import Folder
 from stagesafe.errors import (
     CheckpointFormatError,
@@ -138,18 +136,8 @@ def _write_weights(
     """The weights' shards, then their commit: see :func:`consolidate`."""
     taken = live_files(fs, root)
     plan = _plan(ckpt, out_dtype, limit, taken=taken)
-    bar = bytes_bar(progress, plan.total_size, f"consolidating {ckpt.tag}")
-    if bar is not None:
-        plan.state_dict.on_read = bar.update
-    try:
-        done = write_and_commit(
-            fs, root, plan, metadata=metadata, workers=workers, remove_root=created, empty_before=not taken
-        )
-    finally:
-        if bar is not None:
-            bar.close()
-    remove_replaced(fs, root, done)
-    return done.manifest
+    return write_and_replace(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress, metadata=metadata,
+                             workers=workers, remove_root=created, empty_before=not taken)
 
 
 def load_zero_checkpoint(
@@ -256,7 +244,7 @@ def _cast(tensor: torch.Tensor, out: str | None) -> torch.Tensor:
 
 def _check_destination(fs: Any, root: str, overwrite: bool) -> bool:
     """Refuse a destination that is a file, or that holds a handoff unless ``overwrite`` (as
-    :func:`~stagesafe.handoff.save.save_state_dict` does); return whether the folder is still to be created."""
+    :func:`~stagesafe.publishing.save.save_state_dict` does); return whether the folder is still to be created."""
     if fs.isfile(root):
         raise HandoffExistsError(f"destination {url_of(fs, root)!r} is a file; give a folder (it is created if missing)")
     if not overwrite:

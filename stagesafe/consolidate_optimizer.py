@@ -13,11 +13,11 @@ from typing import Any
 
 from stagesafe.errors import CheckpointFormatError
 from stagesafe.handoff.cleanup import live_files
-from stagesafe.handoff.commit import commit
+from stagesafe.publishing.protocol import write_and_replace
 from stagesafe.storage.fs import join
 from stagesafe.handoff.optimizer_state import FormGroup, form_metadata, state_name
 from stagesafe.handoff.plan import plan_specs
-from stagesafe.handoff.shards import Pieces, write_shards_shown
+from stagesafe.handoff.shards import Pieces
 from stagesafe.zero.checkpoint import ZeroCheckpoint, read_in_runs
 from stagesafe.zero.checkpoint_optimizer import CheckpointOptimizer
 
@@ -53,11 +53,10 @@ def write_optimizer_state(
     sizes = {name: 4 * _numel(spec["shape"]) for name, spec in specs.items()}
     plan = plan_specs(specs, {}, max_shard_size=max_shard_size, taken=live_files(fs, state_root),
                       state_dict=_LazyState(optimizer, specs), sizes=sizes)
-    records = write_shards_shown(fs, state_root, plan, what=f"optimizer state of {ckpt.tag}", progress=progress,
-                                 workers=workers, remove_root=created)
     metadata = form_metadata(keys=optimizer.element_keys, groups=groups, loss_scaler=optimizer.plain_loss_scaler(),
                              source=source)
-    return commit(fs, state_root, plan, records, metadata=metadata)
+    return write_and_replace(fs, state_root, plan, what=f"optimizer state of {ckpt.tag}", progress=progress,
+                             metadata=metadata, workers=workers, remove_root=created)
 
 
 def _groups(optimizer: CheckpointOptimizer) -> list[FormGroup]:

@@ -1,56 +1,39 @@
 """``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
 
-Thin glue: each override hands the work to :mod:`stagesafe.stages.boundary` (one call's passage), the
-strategy's :class:`~stagesafe.stages.writer.HandoffWriter` (the background write of the handoff) and
-:mod:`stagesafe.stages.channel` (the ranks agreeing through the job's key-value store).
+Thin glue: each override hands the work to :mod:`stagesafe.stages.boundary` (one call's passage) and to the
+strategy's :class:`~stagesafe.stages.call_series.CallSeries` (what its calls share: the handoff folder, its
+writer, how the last call ended). Its checkpoint hooks (:mod:`~stagesafe.strategy_checkpoints`), collectives
+(:mod:`~stagesafe.strategy_collectives`) and the waits for the handoff's write
+(:mod:`~stagesafe.strategy_write_wait`) are bases of their own.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import copy
 import inspect
 import logging
-import os
 from collections.abc import Generator
 from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.types import _PATH
-from lightning.fabric.strategies.deepspeed import _validate_checkpoint_directory
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
-from lightning.pytorch.strategies.deepspeed import warning_cache
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from torch.nn import Module
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
 from stagesafe import _registration as registration
-from stagesafe.errors import (
-    EngineReleasedError,
-    HandoffNotReadyError,
-    InvalidArgumentError,
-    describe,
-)
+from stagesafe.boundary_report import BoundaryReport
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
-from stagesafe.stages.channel import JobChannel, agree_on_ending
-from stagesafe.stages.collective_guard import CollectiveGuard
-from stagesafe.boundary_report import BoundaryReport
+from stagesafe.stages.between_calls import has_meta_tensors
 from stagesafe.stages.boundary import StageBoundary, StageOptions
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
-from stagesafe.trainer_messages import (
-    boundary_line,
-    say_committed,
-    say_optimizer_resumed,
-    say_unchanged,
-    say_versioned,
-    warn_if_fit_has_nothing_left,
-)
+from stagesafe.stages.call_series import CallSeries
+from stagesafe.stages.history import HandoffTarget, history_of
+from stagesafe.stages.optimizer_resume import resume_optimizer
 from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,
@@ -63,25 +46,27 @@ from stagesafe.strategy_arguments import (
     checked_url,
     inference_config,
 )
-from stagesafe.stages.between_calls import has_meta_tensors
-from stagesafe.stages.between_calls_checkpoint import save_between_calls
-from stagesafe.stages.history import HandoffTarget, history_of
-from stagesafe.stages.location import Location, agree_on_location
-from stagesafe.stages.ownership import claim_folder
-from stagesafe.stages.writer import HandoffWriter
+from stagesafe.strategy_checkpoints import CheckpointHooks
+from stagesafe.strategy_collectives import GuardedCollectives
+from stagesafe.strategy_write_wait import HandoffWaits, StageReturned
+from stagesafe.trainer_messages import (
+    say_committed,
+    say_optimizer_resumed,
+    say_unchanged,
+    say_versioned,
+    warn_if_fit_has_nothing_left,
+)
 from stagesafe.upstream_warnings import quiet_per_step_warnings
 from stagesafe.zero import engine as zero_engine
-from stagesafe.zero.checkpoint_writer import holds_optimizer_state, is_weights_only
 
 __all__ = ["StageSafeDeepSpeedStrategy"]
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_HANDOFF_DIR = "stagesafe_handoff"
-_FAILURE_GRACE = 60.0  # seconds a rank whose call failed waits for the others before it keeps its own weights
 
 
-class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
+class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectives):
     """DeepSpeed (ZeRO 1, 2 or 3) for any sequence of ``fit``/``validate``/``test``/``predict`` on one module.
 
     At the end of every Trainer call the weights are consolidated, the engine is destroyed and the module gets
@@ -177,22 +162,12 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         check_optimizer_handoff(self.handoff_optimizer_state, between_stages=between_stages)
         checked_bool("exclude_frozen_parameters", self.exclude_frozen_parameters)  # Lightning's; the handoff honours it
         self.overwrite_handoff = checked_bool("overwrite_handoff", overwrite_handoff)
-        self._claimed: dict[str, str] = {}  # the folder asked for -> the one this run writes (see ownership)
-        self._writer: HandoffWriter | None = None
-        self._location: tuple[str, Location] | None = None
+        self._series = CallSeries(storage_options=self.storage_options, resume_from=self.resume_from,
+                                  overwrite=self.overwrite_handoff)
         self._boundary: StageBoundary | None = None
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
-        self._calls = 0
         self._stepped = False  # an optimizer step was made in this call
-        self._guard = CollectiveGuard()  # how the last calls ended, for the collectives that follow
         self._last_boundary: BoundaryReport | None = None
-
-    @property
-    def last_boundary(self) -> Optional[BoundaryReport]:
-        """The report of the last Trainer call's boundary (None before the first call ended): its stage, the
-        handoff's URL, seconds spent leaving and entering, seconds per phase, whether it wrote the handoff,
-        and whether the module came back clean. A background write adds its phases once it is done."""
-        return self._last_boundary
 
     # -- entering a stage -------------------------------------------------------------------------------------
     @override
@@ -227,8 +202,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         module = self.lightning_module
         assert module is not None
         target = self._handoff_target(trainer)
-        writer = self._writer_for(target)
-        self._calls += 1
+        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
+        writer = self._series.writer_for(target, module, world_size=self.world_size, timeout=timeout,
+                                         meta=self.between_stages == "meta", on_commit=say_committed)
+        self._series.calls += 1
         writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
         # A fit with nothing left to train changes nothing: its boundary is that of a stage that does not train.
         trains = trainer.state.fn == TrainerFn.FITTING and not warn_if_fit_has_nothing_left(trainer)
@@ -240,28 +217,13 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
         boundary.enter(resume_from=resume, weights_from=self._weights_from(trainer))  # refuses a stale module first
         self._boundary = boundary
-        if not any(isinstance(cb, _StageReturned) for cb in trainer.callbacks):
-            trainer.callbacks.append(_StageReturned())
+        if not any(isinstance(cb, StageReturned) for cb in trainer.callbacks):
+            trainer.callbacks.append(StageReturned())
         with zero_engine.flat_broadcasts():  # DeepSpeed's broadcast of each parameter: one per bucket instead
             super().setup(trainer)
         boundary.engine_built(self.model, training=trains)
-        if trains and boundary.resumed is not None:
-            self._resume_optimizer(boundary.resumed)
-
-    def _resume_optimizer(self, source: HandoffTarget) -> None:
-        """A fit whose module holds the weights it took from ``resume_from`` (no call has changed them since): the
-        optimizer state beside them, if the handoff holds it (``stagesafe consolidate --optimizer``),
-        re-partitioned for this job and loaded; every rank reads its share before any loads, so a state one rank
-        refuses is refused on every rank. Without it the optimizer starts afresh from the weights, as the log says."""
-        engine = self.model
-        state = collectives.all_ranks(
-            lambda: zero_engine.read_handoff_optimizer(engine, source.uri, storage_options=source.storage_options),
-            f"reading the optimizer state beside the handoff {source.uri} (every rank reads its share of it: a "
-            "node-local path is not visible from other nodes; use shared storage or an object store)",
-        )
-        if state is not None:
-            zero_engine.load_optimizer_state(engine, state)
-        say_optimizer_resumed(source.uri, state is not None)
+        if trains and boundary.resumed is not None:  # the module holds resume_from's weights: its optimizer too
+            say_optimizer_resumed(boundary.resumed.uri, resume_optimizer(self.model, boundary.resumed))
 
     def _stage_options(self, trainer: "pl.Trainer", *, trains: bool) -> StageOptions:
         """How this call's boundary runs: this strategy's arguments, the call's kind and device; ``trains``:
@@ -280,26 +242,6 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
             handoff_optimizer_state=self.handoff_optimizer_state,
         )
 
-    def _writer_for(self, target: HandoffTarget) -> HandoffWriter:
-        """This strategy's writer, made at its first stage once the ranks agree on the handoff folder."""
-        if self._location is not None and self._location[0] == target.uri and self._writer is not None:
-            return self._writer
-        if self._writer is not None and self._writer.pending:
-            self._writer.join()
-        self._wait_for_device_work()  # the module's writer of another strategy too: collectives follow
-        location = agree_on_location(target)
-        if location.writers < self.world_size and self.between_stages == "meta":
-            raise InvalidArgumentError(
-                "between_stages='meta' reads the handoff on every rank, but not every rank sees the handoff folder "
-                f"of rank 0 (each rank's folder: {list(location.folders)}); pass a handoff_uri that every rank "
-                "sees (shared storage or an object store), or use between_stages='cpu'"
-            )
-        self._location = (target.uri, location)
-        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
-        self._writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=say_committed)
-        return self._writer
-
     def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
         """Build ZeRO-3 partitions for a meta module from the handoff, in the dtype the engine computes in."""
         import torch
@@ -317,14 +259,8 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         asked = self.handoff_uri
         if asked is None:
             asked = str(trainer.default_root_dir).rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
-        if asked not in self._claimed:
-            uri = claim_folder(asked, self.storage_options, named=self.handoff_uri is not None,
-                               resume_from=self.resume_from, overwrite=self.overwrite_handoff)
-            if uri != asked:
-                say_versioned(asked, uri)
-            self._claimed[asked] = uri
-        return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options,
-                             max_shard_size=self.max_shard_size)
+        return self._series.target(asked, named=self.handoff_uri is not None, max_shard_size=self.max_shard_size,
+                                   on_versioned=say_versioned)
 
     def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """The stage and step that a stage's new weights come from, for the handoff's metadata."""
@@ -386,170 +322,6 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         if self._boundary is not None:
             self._boundary.loop_started()
 
-    # -- collectives ------------------------------------------------------------------------------------------
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        with self._collective():
-            super().barrier(*args, **kwargs)
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        with self._collective():
-            return super().broadcast(obj, src)
-
-    @override
-    def reduce(self, *args: Any, **kwargs: Any) -> Any:
-        with self._collective():
-            return super().reduce(*args, **kwargs)
-
-    @override
-    def all_gather(self, *args: Any, **kwargs: Any) -> Any:
-        with self._collective():
-            return super().all_gather(*args, **kwargs)
-
-    @override
-    def reduce_boolean_decision(self, *args: Any, **kwargs: Any) -> bool:
-        with self._collective():
-            return super().reduce_boolean_decision(*args, **kwargs)
-
-    def _collective(self) -> contextlib.AbstractContextManager[None]:
-        """:class:`~stagesafe.stages.collective_guard.CollectiveGuard` around one of Lightning's collectives."""
-        writer = self._writer
-        meeting = (lambda: writer.channel.sub(f"call-{self._calls}/met")) if writer is not None else None
-        return self._guard.around(self._writers(), meeting)
-
-    def _wait_for_device_work(self) -> None:
-        for writer in self._writers():
-            writer.wait_device()
-
-    def _writers(self) -> list[HandoffWriter]:
-        writers = [self._writer] if self._writer is not None else []
-        history = history_of(self.lightning_module) if self.lightning_module is not None else None
-        other = history.writer if history is not None else None
-        if other is not None and other is not self._writer:
-            writers.append(other)
-        return writers
-
-    # -- checkpoints ------------------------------------------------------------------------------------------
-    @property
-    def _fitting(self) -> bool:
-        return self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-
-    @property
-    def _engine_is_live(self) -> bool:
-        return zero_engine.is_engine(self.model)
-
-    @property
-    @override
-    def deepspeed_engine(self) -> Any:
-        """The engine of the Trainer call under way. After a call it is gone: stagesafe destroys it when the
-        call returns, and says so here rather than handing out the bare module as if it were the engine."""
-        if self._engine_is_live or self._calls == 0 or self._boundary is not None:
-            return self.model
-        uri = self.last_boundary.uri if self.last_boundary is not None else None
-        raise EngineReleasedError(
-            "the DeepSpeed engine was destroyed when the last Trainer call returned (StageSafeDeepSpeedStrategy "
-            "gives the module back with its weights, and builds a new engine at the next call). Use the module "
-            "itself (trainer.lightning_module) for its weights"
-            + (f", the handoff at {uri!r} (stagesafe.load_state_dict(uri)) for a checkpoint of them" if uri else "")
-            + ", or trainer.save_checkpoint(path) for DeepSpeed's checkpoint folder with the optimizer state the "
-            "last fit ended with"
-        )
-
-    @override
-    def save_checkpoint(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any] = None) -> None:
-        """During a stage: DeepSpeed's sharded checkpoint. Between stages (no engine): the files the last
-        ``fit``'s engine would have written at its end (every rank its own, optimizer state included), kept
-        since; without them (a module changed since, ``keep_optimizer_state=False``), the same folder layout
-        with weights only, written by rank 0, with a warning that names what is missing."""
-        if self._engine_is_live:
-            super().save_checkpoint(checkpoint, filepath, storage_options)
-            if self.is_global_zero:  # rank 0's path is the one stock broadcast; DeepSpeed wrote 'latest' there
-                holds_optimizer_state(os.fspath(filepath))
-            return
-        self._save_between_stages(checkpoint, self.broadcast(filepath), storage_options)
-
-    def _save_between_stages(self, checkpoint: dict, filepath: _PATH, storage_options: Optional[Any]) -> None:
-        """The folder ``save_checkpoint`` writes when no engine is live (see there), on every rank."""
-        if storage_options is not None:
-            raise TypeError(
-                "`Trainer.save_checkpoint(..., storage_options=...)` with `storage_options` arg is not supported for "
-                f"`{type(self).__name__}` as `CheckpointIO` is not used."
-            )
-        module = self.lightning_module
-        if module is None:
-            return
-        if self.zero_stage_3 and self._multi_device and self.is_global_zero:
-            warning_cache.warn(  # stock's, word for word: the folder is the same
-                "When saving the DeepSpeed Stage 3 checkpoint, "
-                "each worker will save a shard of the checkpoint within a directory. "
-                "If a single file is required after training, "
-                "see https://lightning.ai/docs/pytorch/stable/advanced/model_parallel.html#"
-                "deepspeed-zero-stage-3-single-file for instructions."
-            )
-        save_between_calls(
-            module, checkpoint, os.fspath(filepath), world_size=self.world_size, rank_zero=self.is_global_zero,
-            zero_stage=self._zero_stage, exclude_frozen=self.exclude_frozen_parameters, writers=self._writers(),
-            barrier=self.barrier, warn=rank_zero_warn,
-        )
-
-    @property
-    def _zero_stage(self) -> int:
-        self._init_config_if_needed()
-        return int((self.config or {}).get("zero_optimization", {}).get("stage", 0)) or 3
-
-    @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        if self.load_full_weights and self.zero_stage_3:
-            return super().load_checkpoint(checkpoint_path, weights_only)  # one full-weights file, as stock
-        _validate_checkpoint_directory(checkpoint_path)  # Lightning's FileNotFoundError, with its hints
-        path = os.fspath(checkpoint_path)
-        if self._fitting and not is_weights_only(path):
-            return self._load_training_checkpoint(path)
-        # DeepSpeed cannot load a checkpoint into an inference engine (its ZeRO-Offload optimizer has no
-        # _restore_from_bit16_weights), nor one written between stages (no optimizer state in it): read the
-        # fp32 weights ourselves and load them into the partitions.
-        from stagesafe.consolidate import load_zero_checkpoint_with_client_state
-
-        if self._fitting:
-            rank_zero_warn(
-                f"{path} was written between Trainer calls and holds weights but no optimizer state: "
-                "the optimizer starts afresh from these weights"
-            )
-        values, client_state = load_zero_checkpoint_with_client_state(path)
-        client_state = dict(client_state)
-        client_state["state_dict"] = values
-        return client_state
-
-    def _load_training_checkpoint(self, path: str) -> dict[str, Any]:
-        """``fit(ckpt_path=path)``: this rank's share of the checkpoint (written by any number of ranks, by stagesafe,
-        stock Lightning or DeepSpeed) read by stagesafe's reader and re-partitioned for this job, then loaded into
-        the engine by DeepSpeed's own methods: weights, fp32 masters, optimizer state, loss scaler and counters.
-        Every rank reads before any loads: a checkpoint one rank refuses is refused on every rank, unchanged.
-        Returns the client state (Lightning's loops, lr schedulers, callbacks, ...)."""
-        engine = self.deepspeed_engine
-        files, client_state = collectives.all_ranks(
-            lambda: zero_engine.read_rank_files(engine, path),
-            f"reading the checkpoint {path} (every rank reads its share of it: a node-local folder is not visible "
-            "from other nodes; save it to shared storage)",
-        )
-        assert self.lightning_module is not None
-        zero_engine.load_rank_files(engine, files, strict=self.lightning_module.strict_loading)
-        return client_state
-
-    @override
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        state_dict = checkpoint.get("state_dict")
-        if state_dict is None or self._boundary is None:
-            return  # DeepSpeed's own load_checkpoint already put the weights (and masters) in the engine
-        _check_keys(self.lightning_module, state_dict, strict)
-        self._boundary.checkpoint_loaded(state_dict, self.lightning_module, training=self._fitting)
-
-    @property
-    @override
-    def lightning_restore_optimizer(self) -> bool:
-        return super().lightning_restore_optimizer  # False (DeepSpeed restores it), with stock's warning
-
     # -- leaving a stage --------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
@@ -569,10 +341,7 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         engine = self.model if self._engine_is_live else None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         failed = trainer is None or trainer.state.status != TrainerStatus.RUNNING
-        assert self._writer is not None
-        grace = min(_FAILURE_GRACE, self._writer.timeout)
-        ending = agree_on_ending(self._writer.channel.sub(f"call-{self._calls}"), failed=failed, grace=grace)
-        self._guard.call_ended(ending)  # after a failure the next call meets first; its group may be broken
+        ending = self._series.call_ended(failed=failed)
         # A fit that made no step (max_epochs already reached) trained nothing; one given a ckpt_path may have
         # loaded new weights into the engine (DeepSpeed's own load) even so.
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
@@ -621,79 +390,10 @@ class StageSafeDeepSpeedStrategy(CPUCapableDeepSpeedStrategy):
         finally:
             self._lightning_module = module
 
-    def wait_for_handoff(self) -> None:
-        """Return once the last stage's handoff is committed (raise its failure on every rank). Call it on
-        every rank, e.g. before another process reads the handoff. Once a write failed, every later call
-        raises :class:`~stagesafe.HandoffNotReadyError` until a write commits or
-        :meth:`acknowledge_handoff_failure` is called: the folder does not hold the module's weights."""
-        try:
-            for writer in self._writers():
-                writer.call_returned()
-                writer.join()
-        finally:
-            if self.last_boundary is not None:
-                self._log_boundary(self.last_boundary, waited=True)
-        failed = self._handoff_failure()
-        if failed is not None:
-            uri, error = failed
-            raise HandoffNotReadyError(
-                f"the last handoff write to {uri!r} failed ({describe(error)}): the folder holds the handoff "
-                "committed before it, if any, not the module's weights. The next Trainer call writes them again; "
-                "or call strategy.acknowledge_handoff_failure() to go on without them"
-            ) from error
-
-    def acknowledge_handoff_failure(self) -> None:
-        """Go on after a failed handoff write: ``wait_for_handoff()`` and the boundary's log line stop saying
-        it (on this rank: call it on every rank). The module keeps its weights; the next call writes them.
-        The last boundary's report then says what the folder holds: no write of that stage (``wrote=False``)."""
-        failed = self._handoff_failure()
-        for writer in self._writers():
-            writer.failed = None
-        if failed is not None and self._last_boundary is not None and self._last_boundary.uri == failed[0]:
-            self._last_boundary = dataclasses.replace(self._last_boundary, wrote=False)
-
-    def _handoff_failure(self) -> tuple[str, BaseException] | None:
-        """The failure of the last joined write, while no write since has committed and the user has not
-        acknowledged it (this strategy's writer; before its first call, the writer of the module's last handoff)."""
-        writers = self._writers()
-        return writers[0].failed if writers else None
-
-    def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
-        if self.is_global_zero:
-            log.info("%s", boundary_line(report, waited=waited, failed=self._handoff_failure()))
-
-    def _stage_returned(self) -> None:
-        """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
-        for writer in self._writers():
-            writer.call_returned()  # Lightning's teardown is over: its CUDA calls no longer wait for the driver
-        if self.wait_for_write:
-            self.wait_for_handoff()
-        elif self.last_boundary is not None:
-            self._log_boundary(self.last_boundary, waited=False)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: StrategyRegistry) -> None:  # type: ignore[override]
         registration.register(strategy_registry, cls)
-
-class _StageReturned(Callback):
-    """The Trainer's last hook of a call (after the strategy's teardown): the call is returning."""
-
-    @override
-    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        strategy = trainer.strategy
-        if isinstance(strategy, StageSafeDeepSpeedStrategy):
-            strategy._stage_returned()
-
-
-def _check_keys(module: Optional[Module], state_dict: Mapping[str, Any], strict: bool) -> None:
-    """Refuse a checkpoint that does not fit the module, before anything is loaded."""
-    if module is None or not strict:
-        return
-    from stagesafe.restore import check_fits
-
-    check_fits(module, state_dict)
-
 
 StageSafeDeepSpeedStrategy.register_strategies(StrategyRegistry)
 registration.stop_observing()

@@ -11,7 +11,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import describe
-from stagesafe.handoff.commit import Commit
+from stagesafe.publishing.commit import Commit
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

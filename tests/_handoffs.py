@@ -13,7 +13,7 @@ import torch
 
 from stagesafe.handoff.digest import DEFAULT
 from stagesafe.storage.fs import list_files, resolve
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 
 INDEX, MANIFEST = "model.safetensors.index.json", "stagesafe.json"
 

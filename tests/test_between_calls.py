@@ -9,7 +9,7 @@ import torch
 from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import HandoffNotReadyError, InvalidArgumentError
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 from stagesafe.stages.between_calls import has_meta_tensors, kept_training, weights_between_calls
 from stagesafe.stages.history import HandoffTarget, KeptTraining, fingerprint, new_history, state_tensors
 

@@ -10,7 +10,7 @@ from _tensors import assert_bitwise_equal
 from stagesafe.errors import HandoffExistsError
 from stagesafe.handoff.cleanup import ORPHAN_AGE, remove_stale
 from stagesafe.handoff.read import load_state_dict, read_manifest
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 
 
 def test_removing_stale_files_never_raises(caplog):

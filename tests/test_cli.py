@@ -380,7 +380,7 @@ def test_a_shard_that_is_a_symlink_loop_is_one_line_exit_1(handoff, capsys):
 
 
 def test_inspect_shows_control_characters_in_names_escaped(tmp_path, capsys):
-    from stagesafe.handoff.save import save_state_dict
+    from stagesafe.publishing.save import save_state_dict
 
     name = "layer\x1b[2J\x07\rhidden"
     save_state_dict({name: torch.zeros(2)}, str(tmp_path / "h"))

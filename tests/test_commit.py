@@ -12,14 +12,14 @@ from _handoffs import INDEX, MANIFEST, files, model_dict, read, url
 from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import InvalidArgumentError
-from stagesafe.handoff.commit import commit, commit_handoff, remove_replaced
+from stagesafe.publishing.commit import commit, commit_handoff, remove_replaced
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
 from stagesafe.storage.fs import resolve
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.handoff.read import load_state_dict, read_manifest
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 from stagesafe.handoff.shards import write_shard
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.verify import verify
 
 
 def test_manifest_records_hashes_tensors_metadata_versions(url):

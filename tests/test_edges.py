@@ -13,8 +13,8 @@ from _hostile import forge_manifest
 from stagesafe.cli import main
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.save import save_state_dict
+from stagesafe.publishing.verify import verify
 
 LONG_SHARD = "model-00001-of-" + "0" * 270 + "1.safetensors"  # 300 characters: longer than a file name can be
 

@@ -10,8 +10,8 @@ from stagesafe.consolidate import consolidate, load_zero_checkpoint_with_client_
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.save import save_state_dict
+from stagesafe.publishing.verify import verify
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 
 NOT_BOOLS = ["false", "False", "0", "no", "", "true", 0, 1, 0.0, [], b"0"]

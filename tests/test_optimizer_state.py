@@ -21,7 +21,7 @@ from stagesafe.cli import main
 from stagesafe.consolidate import consolidate
 from stagesafe.errors import CheckpointFormatError, HandoffCorruptError, InvalidArgumentError, StorageTransferError
 from stagesafe.handoff.optimizer_state import FORM, binding, bound_folder, open_form
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.verify import verify
 from stagesafe.zero.handoff_optimizer import HandoffOptimizer
 
 

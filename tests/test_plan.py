@@ -13,7 +13,7 @@ import stagesafe.handoff.plan
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.plan import dtype_name, plan_shards, plan_specs, supported_dtype
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 
 
 def test_it_imports_neither_torch_nor_fsspec():

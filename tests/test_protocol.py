@@ -1,4 +1,4 @@
-"""handoff/protocol.py: the one commit protocol, plan -> shards -> commit. On one process, and for a write by
+"""publishing/protocol.py: the one commit protocol, plan -> shards -> commit. On one process, and for a write by
 several ranks through a record exchange (here a plain one in this process, posting and gathering in a dict: the
 strategy's, over the job's key-value store, is tests/test_shared_write.py's)."""
 
@@ -14,9 +14,9 @@ from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import StorageTransferError
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
-from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.publishing.protocol import write_and_commit
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 from stagesafe.handoff.shards import ShardRecord
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.storage.fs import resolve

@@ -22,8 +22,8 @@ from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidA
 from stagesafe.handoff.digest import DEFAULT
 from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.read import load_state_dict, read_manifest
-from stagesafe.handoff.save import save_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.save import save_state_dict
+from stagesafe.publishing.verify import verify
 
 
 def test_a_reader_overtaken_by_a_new_commit_reads_the_new_handoff(url, monkeypatch):

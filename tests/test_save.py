@@ -15,8 +15,8 @@ from _tensors import assert_bitwise_equal
 
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.save import save_state_dict
+from stagesafe.publishing.verify import verify
 
 
 def test_every_dtype_round_trips_bitwise(url):

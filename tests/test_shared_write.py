@@ -14,7 +14,7 @@ from _tensors import Unwritable, assert_bitwise_equal
 
 import stagesafe
 from stagesafe.errors import StorageTransferError
-from stagesafe.handoff.commit import Commit
+from stagesafe.publishing.commit import Commit
 from stagesafe.handoff.plan import plan_specs
 from stagesafe.stages.channel import Outcome
 from stagesafe.stages.shared_write import names_written_by, owners, write_share

@@ -25,8 +25,8 @@ from stagesafe.errors import (
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
 from stagesafe.handoff.read import load_state_dict, read_manifest
 from stagesafe.storage.retry import RetryPolicy
-from stagesafe.handoff.save import save_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.save import save_state_dict
+from stagesafe.publishing.verify import verify
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -10,7 +10,7 @@ import torch
 from _handoffs import url
 
 from stagesafe.errors import HandoffNotFoundError, InvalidArgumentError, StorageBackendError
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 from stagesafe.strategy_arguments import (
     check_between_stages,
     check_keywords,

@@ -9,7 +9,7 @@ from _handoffs import files, url
 
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 from stagesafe.handoff.tensor_plan import plan_handoff
 
 

@@ -8,7 +8,7 @@ import logging
 import pytest
 
 from stagesafe.boundary_report import BoundaryReport
-from stagesafe.handoff.commit import Commit
+from stagesafe.publishing.commit import Commit
 from stagesafe.trainer_messages import boundary_line, megabytes, say_committed, say_unchanged, say_versioned
 
 

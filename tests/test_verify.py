@@ -29,8 +29,8 @@ from stagesafe.handoff.digest import CHUNK, DEFAULT, LEAF, NAMES
 from stagesafe.storage.fs import resolve
 from stagesafe.handoff.manifest import digest_of, manifest_checksum
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.save import save_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.save import save_state_dict
+from stagesafe.publishing.verify import verify
 
 
 @pytest.mark.parametrize("damage", [flip_byte, truncate, remove_shard])

@@ -14,11 +14,11 @@ import stagesafe.handoff.read as read_module
 from stagesafe.errors import HandoffCorruptError, InvalidArgumentError
 from stagesafe.handoff import codec, shards
 from stagesafe.handoff.codec import check_tensor, encode_header
-from stagesafe.handoff.commit import readable_json
+from stagesafe.publishing.commit import readable_json
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
 from stagesafe.handoff.plan import dtype_name
 from stagesafe.handoff.read import load_state_dict, read_manifest
-from stagesafe.handoff.save import save_state_dict
+from stagesafe.publishing.save import save_state_dict
 from stagesafe.handoff.tensor_plan import plan_handoff
 
 

@@ -28,7 +28,7 @@ from stagesafe.consolidate import (
 from stagesafe.errors import CheckpointFormatError, InvalidArgumentError, UnsafeCheckpointError
 from stagesafe.handoff.digest import DEFAULT
 from stagesafe.handoff.read import load_state_dict
-from stagesafe.handoff.verify import verify
+from stagesafe.publishing.verify import verify
 from stagesafe.zero.checkpoint import open_zero_checkpoint
 from stagesafe.zero.rank_file import RankFile
 

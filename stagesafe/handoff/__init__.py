@@ -1,7 +1,8 @@
 """The handoff format, on its own: safetensors shards, a Hugging Face index and a manifest, on any fsspec URL.
 
 Nothing here knows about Lightning, DeepSpeed or a running job: the strategy, the CLI and the public functions
-all read and write handoffs through these modules, one job each:
+all read and write handoffs through these modules, one job each (publishing a handoff, the steps composed, is
+:mod:`stagesafe.publishing`'s):
 
 - The format's rules, pure: :mod:`~stagesafe.handoff.names` (which file is what),
   :mod:`~stagesafe.handoff.sizes` (``max_shard_size``), :mod:`~stagesafe.handoff.index` (Hugging Face's
@@ -10,12 +11,7 @@ all read and write handoffs through these modules, one job each:
 - :mod:`~stagesafe.handoff.plan`: which tensor goes to which shard, one builder for every path;
   :mod:`~stagesafe.handoff.tensor_plan`: a state dict's plan.
 - :mod:`~stagesafe.handoff.shards`: writing shard files, the one parallel shard writer.
-- :mod:`~stagesafe.handoff.commit`: publishing written shards (manifest, then index), deleting what it replaced.
-- :mod:`~stagesafe.handoff.protocol`: the one commit protocol, plan -> shards -> commit, for one process or several
-  ranks (their shard records exchanged by a transport the caller gives).
-- :mod:`~stagesafe.handoff.save`: ``save_state_dict`` and ``save_streamed``.
 - :mod:`~stagesafe.handoff.read`: ``read_manifest``, ``load_state_dict``, ``HandoffReader``, ``check_present``.
-- :mod:`~stagesafe.handoff.verify`: ``verify``, every shard re-hashed, the index checked.
 - :mod:`~stagesafe.handoff.cleanup`: leftovers of failed writers, and what must never be deleted.
 
 Every storage call goes through :mod:`stagesafe.storage`, which knows nothing of this format.

@@ -23,7 +23,10 @@ from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name, is
 from stagesafe.handoff.read import committed_shards
 from stagesafe.storage.retry import RetryPolicy
 
-__all__ = ["ORPHAN_AGE", "delete_shards", "live_files", "refuse_existing_handoff", "remove_orphans", "remove_stale"]
+__all__ = [
+    "ORPHAN_AGE", "delete_shards", "files_in_the_way", "live_files", "refuse_existing_handoff", "remove_orphans",
+    "remove_stale",
+]
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +91,16 @@ def refuse_existing_handoff(fs: fsspec.AbstractFileSystem, root: str, *, retry: 
             f"{folder.url!r} already holds {what}; pass overwrite=True (CLI: --overwrite) to replace it "
             "atomically, or choose another folder"
         )
+
+
+def files_in_the_way(
+    fs: fsspec.AbstractFileSystem, root: str, *, overwrite: bool, retry: RetryPolicy | None = None
+) -> set[str]:
+    """What a new write to ``root`` must not use: with ``overwrite=False`` a folder holding a handoff is refused
+    (:func:`refuse_existing_handoff`); the files of the committed handoff there (:func:`live_files`)."""
+    if not overwrite:
+        refuse_existing_handoff(fs, root, retry=retry)
+    return live_files(fs, root, retry=retry)
 
 
 def _file_age(entry: Mapping[str, Any], now: datetime) -> float | None:

@@ -4,7 +4,7 @@ shard writer of every path (``save_state_dict``, the strategy's ranks, ``consoli
 A shard's bytes go straight from the tensors to the file, hashed on the way: no serialized copy of the shard.
 Tensors are taken from the plan's state dict one at a time, as their bytes are due, so a lazy mapping (a
 checkpoint read tensor by tensor) holds one tensor per shard in flight. Shards are written under names the
-committed handoff does not use; :mod:`stagesafe.handoff.commit` then publishes them.
+committed handoff does not use; :mod:`stagesafe.publishing.commit` then publishes them.
 """
 
 from __future__ import annotations
@@ -25,13 +25,12 @@ from stagesafe.storage.fs import is_local
 from stagesafe.handoff.names import is_shard_name
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
 from stagesafe.handoff.tensor_bytes import SmallRun
-from stagesafe.progress import bytes_bar
 from stagesafe.storage.retry import RetryPolicy
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards", "write_shards_shown"]
+__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards"]
 
 UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 
@@ -40,7 +39,7 @@ _WRITE_CHUNK = 128 * 1024 * 1024  # large: each piece costs the writer the GIL a
 
 @dataclass(frozen=True)
 class ShardRecord:
-    """What :func:`~stagesafe.handoff.commit.commit` needs to know of a written shard: its ``digest`` (the name,
+    """What :func:`~stagesafe.publishing.commit.commit` needs to know of a written shard: its ``digest`` (the name,
     e.g. ``xxh3-128-tree``), the ``hexdigest`` of its bytes, and its ``size``. Plain data, so ranks can gather it."""
 
     digest: str
@@ -77,7 +76,7 @@ def write_shards(
 ) -> dict[str, ShardRecord]:
     """Write the shards ``files`` of ``plan`` (default: all; a share of them: each rank of a job may write its
     own), ``workers`` at a time (default: 4 on a remote filesystem, up to 4 on a local disk); return their
-    records, in the order of ``files``. :func:`~stagesafe.handoff.commit.commit` then publishes them all.
+    records, in the order of ``files``. :func:`~stagesafe.publishing.commit.commit` then publishes them all.
 
     Each shard's tensors are taken from ``plan.state_dict`` as their bytes are due (:func:`write_shard` with the
     plan's specs), so about ``workers`` tensors are in flight. If one shard fails, the others stop retrying,
@@ -110,22 +109,6 @@ def write_shards(
         Folder(fs, root).remove(started, empty_root=remove_root)
         raise
     return {file_name: written[file_name] for file_name in wanted}
-
-
-def write_shards_shown(
-    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, *, what: str, progress: bool | None, workers: int,
-    remove_root: bool,
-) -> dict[str, ShardRecord]:
-    """:func:`write_shards` of every shard of ``plan``, with a bar on stderr (:func:`stagesafe.progress.bytes_bar`)
-    counting the bytes its lazy ``state_dict`` reports through its ``on_read`` as it reads each tensor."""
-    bar = bytes_bar(progress, plan.total_size, what)
-    if bar is not None:
-        plan.state_dict.on_read = bar.update
-    try:
-        return write_shards(fs, root, plan, workers=workers, remove_root=remove_root)
-    finally:
-        if bar is not None:
-            bar.close()
 
 
 def write_shard(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from stagesafe.handoff.cleanup import delete_shards
-from stagesafe.handoff.commit import commit
+from stagesafe.publishing.commit import commit
 from stagesafe.handoff.names import INDEX_NAME
 from stagesafe.handoff.optimizer_state import FormGroup, binding, form_metadata, new_folder, remove_state, state_name
 from stagesafe.handoff.plan import plan_specs

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from stagesafe.boundary_report import BoundaryReport
-from stagesafe.handoff.save import save_state_dict, save_streamed
+from stagesafe.publishing.save import save_state_dict, save_streamed
 from stagesafe.stages import collectives
 from stagesafe.stages.engine_weights import StreamedValues
 from stagesafe.stages.history import HandoffTarget, ModuleHistory, state_tensors

@@ -43,7 +43,7 @@ from stagesafe.storage.fs import resolve
 from stagesafe.handoff.names import is_commit_of
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.storage.retry import RetryPolicy
-from stagesafe.handoff.commit import Commit, remove_replaced
+from stagesafe.publishing.commit import Commit, remove_replaced
 from stagesafe.handoff.read import read_manifest
 from stagesafe.stages.channel import JobChannel, Outcome, quoted
 from stagesafe.stages.shared_write import write_share

@@ -100,7 +100,7 @@ def main() -> None:
         return  # the write fails as the script ends: the process must not exit 0
     if case == "disk_full_then_fit":
         record("fit", module, fit)
-        t.strategy._writer._write.committed.wait(60)  # known to have failed before the next call starts
+        t.strategy._series.writer._write.committed.wait(60)  # known to have failed before the next call starts
         t.fit_loop.epoch_loop.max_steps = 8  # room for the same Trainer to fit again
         record("fit", module, fit)  # raises the failure at its entry
         t2 = trainer(root, os.path.join(root, "elsewhere"), max_steps=2)

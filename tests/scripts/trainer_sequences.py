@@ -314,7 +314,7 @@ def run_case(case: dict, spec: dict) -> dict:
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["traceback"] = traceback.format_exc()[-3000:]
         if index == case.get("background_failure"):  # not joined: the next call raises the failure
-            strategy._writer._write.committed.wait(60)  # peeked at, so that the next call's entry already knows
+            strategy._series.writer._write.committed.wait(60)  # peeked at, so that the next call's entry already knows
         if limited:
             resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         record["master_max_abs_diff"] = master_probe.max_abs_diff

@@ -19,7 +19,7 @@ from stagesafe.errors import HandoffCorruptError, HandoffNotReadyError, shown
 from stagesafe.flags import checked_flag, checked_optional_flag
 from stagesafe.handoff import codec
 from stagesafe.handoff import digest as _digest
-from stagesafe.handoff.commit import index_follows_the_manifest, write_index
+from stagesafe.publishing.commit import index_follows_the_manifest, write_index
 from stagesafe.storage.folder import Folder, check_workers, each
 from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.names import INDEX_NAME, is_shard_name

@@ -18,7 +18,7 @@ import fsspec
 from stagesafe.errors import StorageTransferError
 from stagesafe.handoff import digest as _digest
 from stagesafe.handoff.cleanup import delete_shards
-from stagesafe.handoff.commit import Commit, commit_handoff
+from stagesafe.publishing.commit import Commit, commit_handoff, remove_replaced
 from stagesafe.handoff.names import INDEX_NAME
 from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.read import committed_shards
@@ -26,8 +26,9 @@ from stagesafe.handoff.shards import UNCHANGED, ShardRecord, write_shards
 from stagesafe.storage.folder import Folder
 from stagesafe.storage.fs import url_of
 from stagesafe.storage.retry import RetryPolicy
+from stagesafe.progress import bytes_bar
 
-__all__ = ["RecordExchange", "write_and_commit"]
+__all__ = ["RecordExchange", "write_and_commit", "write_and_replace"]
 
 
 class RecordExchange(Protocol):
@@ -58,7 +59,7 @@ def write_and_commit(
     empty_before: bool = False,
 ) -> Commit | None:
     """Write ``files`` of ``plan`` (default: every shard), then commit; return the :class:`Commit` (None on a
-    rank that only posts). Deletes nothing the commit replaced: :func:`~stagesafe.handoff.commit.remove_replaced`.
+    rank that only posts). Deletes nothing the commit replaced: :func:`~stagesafe.publishing.commit.remove_replaced`.
 
     ``exchange``: the ranks of a write by several; a failure of this rank's share is posted before it is raised
     (rank 0 would otherwise wait out its timeout), and on rank 0 every rank's failure deletes every shard of the
@@ -118,3 +119,29 @@ def _committed_here(fs: fsspec.AbstractFileSystem, root: str, files: Mapping[str
         return bool(committed_shards(Folder(fs, root)) & set(files))
     except Exception:  # noqa: BLE001 - the store is failing
         return True
+
+
+def write_and_replace(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    *,
+    what: str = "",
+    progress: bool | None = False,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """A write by this process alone: :func:`write_and_commit` (``kwargs``: its arguments but ``exchange``), then
+    the replaced handoff's files deleted; returns the manifest. ``progress``: a bar on stderr
+    (:func:`stagesafe.progress.bytes_bar`, titled ``what``) counting the bytes the plan's lazy ``state_dict``
+    reports through its ``on_read`` as it reads each tensor."""
+    bar = bytes_bar(progress, plan.total_size, what)
+    if bar is not None:
+        plan.state_dict.on_read = bar.update
+    try:
+        done = write_and_commit(fs, root, plan, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+    assert done is not None  # no exchange: this process commits
+    remove_replaced(fs, root, done)
+    return done.manifest

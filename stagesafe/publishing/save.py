@@ -1,5 +1,5 @@
 """Saving a state dict as a handoff: the steps plan (:mod:`~stagesafe.handoff.plan`), write the shards
-(:mod:`~stagesafe.handoff.shards`) and commit (:mod:`~stagesafe.handoff.commit`), composed.
+(:mod:`~stagesafe.handoff.shards`) and commit (:mod:`~stagesafe.publishing.commit`), composed.
 
 The steps stay apart so that the ranks of a job can each write their own shards and one rank commits
 (:mod:`stagesafe.stages.shared_write`); :func:`save_state_dict` and :func:`save_streamed` are the two ways a
@@ -13,14 +13,13 @@ from typing import TYPE_CHECKING, Any
 
 from stagesafe.flags import checked_flag
 from stagesafe.handoff import digest as _digest
-from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
-from stagesafe.handoff.commit import remove_replaced
+from stagesafe.handoff.cleanup import files_in_the_way
 from stagesafe.storage.folder import check_retry, check_workers
 from stagesafe.storage.fs import check_not_a_file, resolve
 from stagesafe.handoff.manifest import check_metadata
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 from stagesafe.handoff.plan import plan_specs
-from stagesafe.handoff.protocol import write_and_commit
+from stagesafe.publishing.protocol import write_and_replace
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.storage.retry import RetryPolicy
 
@@ -62,12 +61,9 @@ def save_state_dict(
     workers = check_workers(workers, fs)
     retry = check_retry(retry)
     digest = _digest.check_name(digest)
-    if not overwrite:
-        refuse_existing_handoff(fs, root, retry=retry)
-    plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=live_files(fs, root, retry=retry))
-    done = write_and_commit(fs, root, plan, metadata=metadata, workers=workers, retry=retry, digest=digest)
-    remove_replaced(fs, root, done)
-    return done.manifest
+    taken = files_in_the_way(fs, root, overwrite=overwrite, retry=retry)
+    plan = plan_handoff(state_dict, max_shard_size=max_shard_size, taken=taken)
+    return write_and_replace(fs, root, plan, metadata=metadata, workers=workers, retry=retry, digest=digest)
 
 
 def save_streamed(
@@ -92,6 +88,4 @@ def save_streamed(
     metadata = check_metadata(metadata)
     once = RetryPolicy(attempts=1)
     plan = plan_specs(specs, aliases, max_shard_size=max_shard_size, state_dict=tensors)
-    done = write_and_commit(fs, root, plan, metadata=metadata, workers=1, retry=once)
-    remove_replaced(fs, root, done)
-    return done.manifest
+    return write_and_replace(fs, root, plan, metadata=metadata, workers=1, retry=once)

@@ -57,21 +57,16 @@ class Commit:
 
 
 def commit(
-    fs: fsspec.AbstractFileSystem,
-    root: str,
-    plan: HandoffPlan,
-    shard_records: Mapping[str, ShardRecord],
-    *,
-    metadata: Mapping[str, Any] | None = None,
-    retry: RetryPolicy | None = None,
-    remove_stale_files: bool = True,
+    fs: fsspec.AbstractFileSystem, root: str, plan: HandoffPlan, shard_records: Mapping[str, ShardRecord], *,
+    remove_stale_files: bool = True, **options: Any,
 ) -> dict[str, Any]:
-    """Publish a handoff whose shards are all written; return its manifest. See :func:`commit_handoff`.
+    """Publish a handoff whose shards are all written; return its manifest. See :func:`commit_handoff`, whose
+    keyword arguments (``metadata``, ``retry``) ``options`` are.
 
     ``remove_stale_files=False`` keeps the replaced handoff's files, for a caller that deletes them later
     with :func:`remove_replaced` (it then calls :func:`commit_handoff` to learn which they are).
     """
-    done = commit_handoff(fs, root, plan, shard_records, metadata=metadata, retry=retry)
+    done = commit_handoff(fs, root, plan, shard_records, **options)
     if remove_stale_files:
         remove_replaced(fs, root, done)
     return done.manifest
