@@ -6,7 +6,9 @@ is destroyed those partitions would be kept alive by the object Lightning's ``tr
 schedulers still name. :func:`optimizer_layout`, taken while the engine lives, records which of the module's
 parameters each group trains; :func:`plain_optimizer`, once the engine is gone, points the groups at them again
 and lets go of the partition-keyed state (what the engine held of it is kept beside the module, see
-:mod:`stagesafe.stages.between_calls`). The hyperparameters stay as the fit left them (the lr its schedulers set).
+:mod:`stagesafe.stages.between_calls`; at one rank the layout also records where each parameter's state lies in
+it, for the views :mod:`.optimizer_views` gives the optimizer). The hyperparameters stay as the fit left them (the
+lr its schedulers set).
 """
 
 from __future__ import annotations
@@ -18,15 +20,19 @@ from typing import Any
 import torch
 from torch import nn
 
+from stagesafe.zero.engine.optimizer_views import StatePlaces, state_places
+
 __all__ = ["OptimizerLayout", "optimizer_layout", "plain_optimizer"]
 
 
 @dataclass
 class OptimizerLayout:
-    """The user's optimizer, and for each of its param groups the module's parameters it trains, in order."""
+    """The user's optimizer, and for each of its param groups the module's parameters it trains, in order;
+    ``places``: where each one's state lies in the kept checkpoint files (one rank only, else None)."""
 
     optimizer: torch.optim.Optimizer
     groups: list[list[nn.Parameter]]
+    places: StatePlaces | None = None
 
 
 def optimizer_layout(engine: Any) -> OptimizerLayout | None:
@@ -48,7 +54,7 @@ def optimizer_layout(engine: Any) -> OptimizerLayout | None:
             group.extend(params)
     else:
         return None
-    return OptimizerLayout(basic, groups)
+    return OptimizerLayout(basic, groups, state_places(engine))
 
 
 def plain_optimizer(layout: OptimizerLayout) -> torch.optim.Optimizer:
