@@ -1,20 +1,45 @@
-"""What a module holds between Trainer calls, for a checkpoint written then (no engine is live): the last fit's
-kept engine state where it still belongs to the module's weights (its fp32 master partitions built again from
-them), or else the weights alone, read from the handoff for a module of meta tensors."""
+"""What a module holds between Trainer calls (no engine is live): the optimizer a fit gives back, its state views
+into the last fit's kept engine state at one rank; and for a checkpoint written then, that kept state where it
+still belongs to the module's weights (its fp32 master partitions built again from them), or else the weights
+alone, read from the handoff for a module of meta tensors."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from stagesafe.errors import HandoffNotReadyError, InvalidArgumentError
 from stagesafe.stages.history import KeptTraining, history_of, state_tensors
 from stagesafe.stages.writer import HandoffWriter
-from stagesafe.zero.engine import built_partitions
+from stagesafe.zero.engine import OptimizerLayout, attach_views, built_partitions, plain_optimizer
 
-__all__ = ["kept_training", "kept_files", "weights_between_calls", "has_meta_tensors"]
+__all__ = ["given_back_optimizer", "kept_training", "kept_files", "weights_between_calls", "has_meta_tensors"]
+
+
+def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> torch.optim.Optimizer:
+    """After a fit, the user's optimizer over the module's parameters (:func:`plain_optimizer`), its state the
+    fit's kept state where this rank holds each parameter's whole (one rank): views into it, owned by the kept
+    state (``KeptTraining.drop_views`` empties them when it goes). A ``step()`` on them makes the kept state match
+    no weights. Otherwise its state is empty."""
+    optimizer = plain_optimizer(layout)
+    history = history_of(module) if module is not None else None
+    kept = history.kept if history is not None else None
+    if kept is None or kept.checkpoint is None or layout.places is None or not kept.holds(state_tensors(module)):
+        return optimizer
+    kept.drop_views()
+    owner = weakref.ref(kept)  # the optimizer the user holds does not keep the kept state alive
+
+    def stepped() -> None:
+        held = owner()
+        if held is not None:
+            held.outdated()
+
+    kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped)
+    return optimizer
 
 
 def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptTraining], str]:

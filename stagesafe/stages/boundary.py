@@ -571,6 +571,8 @@ class StageBoundary:
         """New weights' kept engine state is the module's, for the tensors it holds now (``restored``). Once it
         is ``copied`` off the device, its host memory stays locked while that state lives, the rest is unlocked."""
         if kept is not None:
+            if history.kept is not None:
+                history.kept.drop_views()  # no view outlives the state it looks into
             history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
         if copied:
             self._end.release_kept_state()

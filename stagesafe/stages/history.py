@@ -53,6 +53,23 @@ class KeptTraining:
     lr_schedulers: list[dict[str, Any]] = field(default_factory=list)
     world_size: int = 1
     missing: str = ""  # why ``checkpoint`` is None: said when a checkpoint is saved without it
+    views: Any = field(default=None, compare=False, repr=False)  # what holds views into it (``drop()``)
+
+    def drop(self, missing: str) -> None:
+        """Let go of the checkpoint files (``missing``: why there are none now), and of every view into them."""
+        self.checkpoint, self.missing = None, missing
+        self.drop_views()
+
+    def drop_views(self) -> None:
+        """Empty the optimizer state that holds views into these files (the given-back optimizer's)."""
+        views, self.views = self.views, None
+        if views is not None:
+            views.drop()
+
+    def outdated(self) -> None:
+        """Something stepped the optimizer on this state between calls: it matches no weights any more (neither
+        the fp32 masters nor the checkpoint files are given for the module's tensors)."""
+        self.fingerprint = {}
 
     def masters_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The fp32 masters of the tensors that are still the ones they were kept with."""
