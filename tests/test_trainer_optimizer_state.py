@@ -18,7 +18,8 @@ HANDOFF = "stagesafe_handoff"
 
 
 def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: str = "32-true",
-         configure_model: bool = False, handoff_optimizer_state: bool = False, callbacks=()):
+         configure_model: bool = False, handoff_optimizer_state: bool = False, between_stages: str = "cpu",
+         callbacks=()):
     """A two-layer module (``configure_model``: built there, under zero.Init for ZeRO-3), AdamW
     with weight decay, a Trainer of one CPU rank under stagesafe with a foreground write, and its data."""
     import lightning.pytorch as pl
@@ -39,6 +40,9 @@ def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: 
         def training_step(self, batch, index):
             return self.second(self.first(batch[0])).square().mean()
 
+        def test_step(self, batch, index):
+            return self.training_step(batch, index)
+
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.1)
 
@@ -46,6 +50,7 @@ def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: 
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
     strategy = StageSafeDeepSpeedStrategy(
         stage=stage, wait_for_write=True, keep_optimizer_state=keep, handoff_optimizer_state=handoff_optimizer_state,
+        between_stages=between_stages,
         handoff_uri=os.path.join(str(root), HANDOFF), overwrite_handoff=True,
         config={"zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage},
                 "train_micro_batch_size_per_gpu": 2})
@@ -115,6 +120,23 @@ def test_the_views_are_where_the_kept_flat_partition_holds_each_parameter(in_pro
             assert view.data_ptr() == flat.data_ptr() + offset * flat.element_size()
             assert torch.equal(view.reshape(-1), flat.narrow(0, offset, param.numel()))
         offset += param.numel()
+
+
+def test_a_module_of_meta_tensors_between_calls_gets_the_views_too(in_process):
+    """between_stages="meta": the module holds no values after the call (new parameter objects on the meta device,
+    which the optimizer's groups and state follow), the kept state keeps its fp32 partitions as they are; the views
+    look into the kept state all the same, and after a test call too."""
+    model, trainer, data = _run(in_process, between_stages="meta")
+    trainer.fit(model, data)
+    assert {p.device.type for p in model.parameters()} == {"meta"}
+    optimizer, kept_storages = trainer.optimizers[0], _storages(model)
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(model.parameters())  # the new objects
+    for param in model.parameters():
+        assert optimizer.state[param]["exp_avg_sq"].shape == param.shape
+        assert optimizer.state[param]["exp_avg_sq"].untyped_storage().data_ptr() in kept_storages
+    trainer.test(model, data, verbose=False)  # the module is built from the handoff, then meta tensors again
+    assert [p for g in optimizer.param_groups for p in g["params"]] == list(model.parameters())
+    assert all(optimizer.state[p]["step"].item() == 3.0 for p in model.parameters())
 
 
 def test_the_next_fit_takes_the_kept_state_over_and_the_views_go_as_it_starts(in_process):

@@ -13,11 +13,14 @@ import torch
 from torch import nn
 
 from stagesafe.errors import HandoffNotReadyError, InvalidArgumentError
-from stagesafe.stages.history import KeptTraining, history_of, state_tensors
+from stagesafe.stages.history import KeptTraining, ModuleHistory, history_of, state_tensors
 from stagesafe.stages.writer import HandoffWriter
-from stagesafe.zero.engine import OptimizerLayout, attach_views, built_partitions, plain_optimizer
+from stagesafe.zero.engine import OptimizerLayout, attach_views, built_partitions, plain_optimizer, repoint
 
-__all__ = ["given_back_optimizer", "kept_training", "kept_files", "weights_between_calls", "has_meta_tensors"]
+__all__ = [
+    "given_back_optimizer", "follow_parameters", "kept_training", "kept_files", "weights_between_calls",
+    "has_meta_tensors",
+]
 
 
 def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> torch.optim.Optimizer:
@@ -27,7 +30,10 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
     no weights. Otherwise its state is empty."""
     optimizer = plain_optimizer(layout)
     history = history_of(module) if module is not None else None
-    kept = history.kept if history is not None else None
+    if history is None or module is None:
+        return optimizer
+    _note_given_back(history, module, optimizer)
+    kept = history.kept
     if kept is None or kept.checkpoint is None or layout.places is None or not kept.holds(state_tensors(module)):
         return optimizer
     kept.drop_views()
@@ -40,6 +46,25 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
 
     kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped)
     return optimizer
+
+
+def _note_given_back(history: ModuleHistory, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Remember the given-back optimizer (weakly) and its groups' parameters by name, for
+    :func:`follow_parameters`."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = [group["params"] for group in optimizer.param_groups]
+    if all(id(p) in names for params in groups for p in params):
+        history.given_back = (weakref.ref(optimizer), [[names[id(p)] for p in params] for params in groups])
+
+
+def follow_parameters(module: nn.Module) -> None:
+    """stagesafe replaced the module's parameter objects (meta mode, between calls): the optimizer the last fit
+    gave back, and its state, follow them by name, so that it stays over the module's parameters."""
+    history = history_of(module)
+    given = history.given_back if history is not None else None
+    optimizer = given[0]() if given is not None else None
+    if optimizer is not None:
+        repoint(optimizer, given[1], dict(module.named_parameters()))
 
 
 def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptTraining], str]:

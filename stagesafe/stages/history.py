@@ -96,6 +96,8 @@ class ModuleHistory:
     weights_from: dict[str, Any] = field(default_factory=dict)  # {"stage", "global_step", "epoch"} of the weights
     kept: KeptTraining | None = None  # what the last fit's engine held beyond the module's tensors
     state_bound: tuple[str, Fingerprint] | None = None  # the handoff whose optimizer state is these tensors'
+    # the optimizer the last fit gave back (held weakly) and the names of each of its groups' parameters
+    given_back: "tuple[weakref.ref[torch.optim.Optimizer], list[list[str]]] | None" = None
     _writer: "weakref.ref[HandoffWriter] | None" = None
 
     def holds(self, target: HandoffTarget, tensors: Mapping[str, torch.Tensor]) -> bool:

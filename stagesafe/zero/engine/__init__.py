@@ -33,7 +33,7 @@ from stagesafe.zero.engine.checkpoint_load import (
 )
 from stagesafe.zero.engine.broadcasts import flat_broadcasts
 from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
-from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer
+from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer, repoint
 from stagesafe.zero.engine.optimizer_views import OptimizerViews, StatePlaces, attach_views, state_places
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
 from stagesafe.zero.engine.traces import (
@@ -56,6 +56,7 @@ __all__ = [
     "OptimizerLayout",
     "optimizer_layout",
     "plain_optimizer",
+    "repoint",
     "OptimizerViews",
     "StatePlaces",
     "attach_views",

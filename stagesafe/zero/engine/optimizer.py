@@ -14,6 +14,7 @@ lr its schedulers set).
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch import nn
 
 from stagesafe.zero.engine.optimizer_views import StatePlaces, state_places
 
-__all__ = ["OptimizerLayout", "optimizer_layout", "plain_optimizer"]
+__all__ = ["OptimizerLayout", "optimizer_layout", "plain_optimizer", "repoint"]
 
 
 @dataclass
@@ -65,3 +66,17 @@ def plain_optimizer(layout: OptimizerLayout) -> torch.optim.Optimizer:
         group["params"] = list(params)
     optimizer.state = defaultdict(dict)
     return optimizer
+
+
+def repoint(optimizer: torch.optim.Optimizer, names: list[list[str]], params: Mapping[str, nn.Parameter]) -> None:
+    """Point the given-back ``optimizer``'s groups (``names``: the state-dict names of each group's parameters)
+    at the module's ``params`` of those names, where stagesafe replaced the parameter objects (a module moved to
+    or from the meta device between calls); each parameter's state follows it."""
+    for group, group_names in zip(optimizer.param_groups, names):
+        if len(group["params"]) != len(group_names) or any(n not in params for n in group_names):
+            continue  # the user changed the groups since: left as they are
+        fresh = [params[n] for n in group_names]
+        for old, new in zip(group["params"], fresh):
+            if old is not new and old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
+        group["params"] = fresh
