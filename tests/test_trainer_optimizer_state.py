@@ -19,9 +19,10 @@ HANDOFF = "stagesafe_handoff"
 
 def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: str = "32-true",
          configure_model: bool = False, handoff_optimizer_state: bool = False, between_stages: str = "cpu",
-         callbacks=()):
-    """A two-layer module (``configure_model``: built there, under zero.Init for ZeRO-3), AdamW
-    with weight decay, a Trainer of one CPU rank under stagesafe with a foreground write, and its data."""
+         groups: int = 1, callbacks=()):
+    """A two-layer module (``configure_model``: built there, under zero.Init for ZeRO-3), AdamW with weight decay
+    (``groups=2``: the second layer's parameters first, the first's in a group of their own), a Trainer of one
+    CPU rank under stagesafe with a foreground write, and its data."""
     import lightning.pytorch as pl
     from torch import nn
 
@@ -44,7 +45,9 @@ def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: 
             return self.training_step(batch, index)
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.1)
+            params = [{"params": self.second.parameters()}, {"params": self.first.parameters(), "lr": 0.02}]
+            return torch.optim.AdamW(params if groups == 2 else self.parameters(), lr=0.01, betas=(0.8, 0.9),
+                                     weight_decay=0.1)
 
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
@@ -77,17 +80,18 @@ def _storages(model) -> set[int]:
             for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0}
 
 
-@pytest.mark.parametrize("stage", [3, 2])
-def test_after_fit_the_optimizer_holds_each_parameters_moments_as_views_into_the_kept_state(in_process, stage):
+@pytest.mark.parametrize("stage,groups", [(3, 1), (2, 1), (3, 2), (2, 2)])
+def test_after_fit_the_optimizer_holds_each_parameters_moments_as_views_into_the_kept_state(in_process, stage, groups):
     import stagesafe
     from stagesafe.handoff.optimizer_state import open_form, state_name
 
-    model, trainer, data = _run(in_process, stage=stage, handoff_optimizer_state=True)
+    model, trainer, data = _run(in_process, stage=stage, handoff_optimizer_state=True, groups=groups)
     trainer.fit(model, data)
     optimizer = trainer.optimizers[0]
     assert type(optimizer) is torch.optim.AdamW
     names = {id(p): n for n, p in model.named_parameters()}
-    assert [names[id(p)] for g in optimizer.param_groups for p in g["params"]] == list(dict(model.named_parameters()))
+    order = ["second.weight", "second.bias", "first.weight", "first.bias"] if groups == 2 else list(names.values())
+    assert [names[id(p)] for g in optimizer.param_groups for p in g["params"]] == order
     uri = os.path.join(str(in_process), HANDOFF)
     form = open_form(uri)
     handed_off = stagesafe.load_state_dict(form.url)  # the same state, gathered per parameter by another path
@@ -102,7 +106,7 @@ def test_after_fit_the_optimizer_holds_each_parameters_moments_as_views_into_the
             assert tensor.untyped_storage().data_ptr() in kept_storages  # the kept memory itself: no copy
         step = state["step"]
         assert isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.float32
-        assert step.item() == 3.0 == form.groups[0].state["step"]["value"]
+        assert step.item() == 3.0 == form.groups[-1].state["step"]["value"]
     steps = [optimizer.state[p]["step"] for p in model.parameters()]
     assert len({s.data_ptr() for s in steps}) == len(steps)  # a copy per parameter, as torch's AdamW holds it
 
