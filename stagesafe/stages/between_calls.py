@@ -37,12 +37,13 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
     if kept is None or kept.checkpoint is None or layout.places is None or not kept.holds(state_tensors(module)):
         return optimizer
     kept.drop_views()
-    owner = weakref.ref(kept)  # the optimizer the user holds does not keep the kept state alive
+    owner = weakref.ref(kept)  # the optimizer the user holds does not keep the kept state alive, nor it the optimizer
+    why = f"{type(optimizer).__name__}.step() (trainer.optimizers) ran on it between Trainer calls"
 
     def stepped() -> None:
         held = owner()
         if held is not None:
-            held.outdated()
+            held.outdated(why)
 
     kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped)
     return optimizer
@@ -75,6 +76,8 @@ def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptT
         return None, "no fit under StageSafeDeepSpeedStrategy has trained this module's weights in this process"
     if kept.checkpoint is None:
         return None, kept.missing
+    if kept.outdated_by:
+        return None, kept.outdated_by
     if not kept.holds(state_tensors(module)):
         return None, "the module's weights changed since the last fit ended, and its optimizer state with them"
     if kept.world_size != world_size:

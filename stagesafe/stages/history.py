@@ -54,6 +54,7 @@ class KeptTraining:
     world_size: int = 1
     missing: str = ""  # why ``checkpoint`` is None: said when a checkpoint is saved without it
     views: Any = field(default=None, compare=False, repr=False)  # what holds views into it (``drop()``)
+    outdated_by: str = ""  # what made it match no weights (:meth:`outdated`)
 
     def drop(self, missing: str) -> None:
         """Let go of the checkpoint files (``missing``: why there are none now), and of every view into them."""
@@ -66,10 +67,11 @@ class KeptTraining:
         if views is not None:
             views.drop()
 
-    def outdated(self) -> None:
-        """Something stepped the optimizer on this state between calls: it matches no weights any more (neither
-        the fp32 masters nor the checkpoint files are given for the module's tensors)."""
-        self.fingerprint = {}
+    def outdated(self, why: str) -> None:
+        """Something stepped the optimizer on this state between calls (``why``, said when a checkpoint is saved
+        without it): it matches no weights any more (neither the fp32 masters nor the checkpoint files are given
+        for the module's tensors)."""
+        self.fingerprint, self.outdated_by = {}, why
 
     def masters_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The fp32 masters of the tensors that are still the ones they were kept with."""
