@@ -29,7 +29,7 @@ from stagesafe import _registration as registration
 from stagesafe.boundary_report import BoundaryReport
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
-from stagesafe.stages.between_calls import has_meta_tensors
+from stagesafe.stages.between_calls import given_back_optimizer, has_meta_tensors
 from stagesafe.stages.boundary import StageBoundary, StageOptions
 from stagesafe.stages.call_series import CallSeries
 from stagesafe.stages.history import HandoffTarget, history_of
@@ -372,12 +372,12 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
 
     def _give_back_optimizers(self, fitted: bool, layout: Optional[zero_engine.OptimizerLayout]) -> None:
         """After a fit, as stock keeps them: ``trainer.optimizers`` the user's optimizer over the module's
-        parameters, the lr as the fit left it (its state is the kept one: ``save_checkpoint``), and
+        parameters, the lr as the fit left it (its state views into the kept one at one rank), and
         ``trainer.lr_scheduler_configs`` the schedulers at their step; nothing of the engine. Another call
         leaves them as the last fit did (Lightning sets them up only for a fit)."""
         if not fitted:
             return
-        self.optimizers = [zero_engine.plain_optimizer(layout)] if layout is not None else []
+        self.optimizers = [given_back_optimizer(self.lightning_module, layout)] if layout is not None else []
         if layout is None:
             self.lr_scheduler_configs = []
 

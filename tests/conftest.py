@@ -26,6 +26,24 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
+@pytest.fixture
+def in_process(tmp_path):
+    """Trainer calls in this process (one CPU rank): the process group, environment and DeepSpeed accelerator
+    they set are undone afterwards."""
+    from deepspeed.accelerator import get_accelerator, set_accelerator
+
+    from _launch import end_process_group
+
+    environ, accelerator = dict(os.environ), get_accelerator()
+    try:
+        yield tmp_path
+    finally:
+        end_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+        set_accelerator(accelerator)
+
+
 @pytest.fixture(scope="session")
 def s3_server():
     """moto's S3 server on 127.0.0.1 and a free port, for the whole session (see tests/_s3.py)."""

@@ -115,6 +115,32 @@ def test_masters_are_given_only_for_tensors_unchanged_since_they_were_kept():
     assert kept.masters_for(replaced) == {}
 
 
+def test_a_kept_state_outdated_by_a_step_gives_no_masters_and_holds_no_weights():
+    tensors = {"a": torch.zeros(3, dtype=torch.bfloat16)}
+    kept = _kept(tensors, {"a": torch.full((3,), 0.1)})
+    kept.outdated("a step")  # the given-back optimizer stepped on its state: the tensors' versions need not move
+    assert kept.masters_for(tensors) == {} and not kept.holds(tensors) and kept.outdated_by == "a step"
+    kept.moved(fingerprint(tensors), {"a": torch.empty(3, device="meta")})
+    assert kept.fingerprint == {}  # a move by stagesafe does not make it valid again
+
+
+def test_dropping_a_kept_state_empties_the_given_back_optimizers_views_into_it():
+    from stagesafe.zero.engine import OptimizerViews
+
+    param = nn.Parameter(torch.zeros(3))
+    optimizer = torch.optim.AdamW([param])
+    flat = torch.ones(5)
+    kept = _kept({"a": param.detach()}, {})
+    kept.checkpoint = {"optim.pt": {"state": {0: {"exp_avg": flat}}}}
+    kept.views = OptimizerViews(optimizer, {param: {"exp_avg": flat[:3]}}, {}, on_step=lambda: kept.outdated("a step"))
+    kept.drop_views()
+    assert len(optimizer.state) == 0 and kept.views is None and kept.checkpoint is not None
+    kept.views = OptimizerViews(optimizer, {param: {"exp_avg": flat[:3]}}, {}, on_step=lambda: kept.outdated("a step"))
+    kept.drop("the next fit took it over")
+    kept.drop("again")
+    assert len(optimizer.state) == 0 and kept.checkpoint is None and kept.missing == "again"
+
+
 def test_tensors_stagesafe_itself_replaced_keep_the_state_valid():
     tensors = {"a": torch.zeros(3)}
     kept = _kept(tensors, {})

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 
-from _launch import end_process_group
 from stagesafe import InvalidArgumentError, StageSafeDeepSpeedStrategy, StorageBackendError
 
 
@@ -164,24 +163,6 @@ def test_an_inference_engine_takes_the_precision_and_the_zero3_partitioning_and_
 
 
 # -- one Trainer, one rank, in this process --------------------------------------------------------------------------
-@pytest.fixture
-def in_process(tmp_path):
-    """Trainer calls in this process (one CPU rank): the process group, environment and DeepSpeed accelerator
-    they set are undone afterwards."""
-    import os
-
-    from deepspeed.accelerator import get_accelerator, set_accelerator
-
-    environ, accelerator = dict(os.environ), get_accelerator()
-    try:
-        yield tmp_path
-    finally:
-        end_process_group()
-        os.environ.clear()
-        os.environ.update(environ)
-        set_accelerator(accelerator)
-
-
 def _one_rank_run(root, optimizer: str = "SGD", *, configure_model: bool = False):
     """A one-layer LightningModule (training and test steps; ``configure_model``: a second layer built there,
     under zero.Init), a Trainer of one CPU rank under stagesafe with a foreground write, and data: what the

@@ -1,8 +1,9 @@
 """After each kind of call the Trainer's ``optimizers`` and ``lr_scheduler_configs`` hold what stock (DDP, the same
 script) holds: the user's optimizer over the module's parameters, the lr its scheduler left, the scheduler at its
-step. One difference, on purpose: the optimizer's state (Adam's moments) is not in ``optimizer.state`` but kept
-beside the module, partitioned over the ranks as the engine held it (``trainer.save_checkpoint`` writes it):
-holding it per parameter on every rank would be a second, whole copy."""
+step. One difference at two ranks, on purpose: the optimizer's state (Adam's moments) is not in
+``optimizer.state`` but kept beside the module, partitioned over the ranks as the engine held it
+(``trainer.save_checkpoint`` writes it): holding it per parameter on every rank would be a second, whole copy.
+At one rank it is there, as views into the kept state: tests/test_trainer_optimizer_state.py."""
 
 from __future__ import annotations
 

@@ -1,20 +1,71 @@
-"""What a module holds between Trainer calls, for a checkpoint written then (no engine is live): the last fit's
-kept engine state where it still belongs to the module's weights (its fp32 master partitions built again from
-them), or else the weights alone, read from the handoff for a module of meta tensors."""
+"""What a module holds between Trainer calls (no engine is live): the optimizer a fit gives back, its state views
+into the last fit's kept engine state at one rank; and for a checkpoint written then, that kept state where it
+still belongs to the module's weights (its fp32 master partitions built again from them), or else the weights
+alone, read from the handoff for a module of meta tensors."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from stagesafe.errors import HandoffNotReadyError, InvalidArgumentError
-from stagesafe.stages.history import KeptTraining, history_of, state_tensors
+from stagesafe.stages.history import KeptTraining, ModuleHistory, history_of, state_tensors
 from stagesafe.stages.writer import HandoffWriter
-from stagesafe.zero.engine import built_partitions
+from stagesafe.zero.engine import OptimizerLayout, attach_views, built_partitions, plain_optimizer, repoint
 
-__all__ = ["kept_training", "kept_files", "weights_between_calls", "has_meta_tensors"]
+__all__ = [
+    "given_back_optimizer", "follow_parameters", "kept_training", "kept_files", "weights_between_calls",
+    "has_meta_tensors",
+]
+
+
+def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> torch.optim.Optimizer:
+    """After a fit, the user's optimizer over the module's parameters (:func:`plain_optimizer`), its state the
+    fit's kept state where this rank holds each parameter's whole (one rank): views into it, owned by the kept
+    state (``KeptTraining.drop_views`` empties them when it goes). A ``step()`` on them makes the kept state match
+    no weights. Otherwise its state is empty."""
+    optimizer = plain_optimizer(layout)
+    history = history_of(module) if module is not None else None
+    if history is None or module is None:
+        return optimizer
+    _note_given_back(history, module, optimizer)
+    kept = history.kept
+    if kept is None or kept.checkpoint is None or layout.places is None or not kept.holds(state_tensors(module)):
+        return optimizer
+    kept.drop_views()
+    owner = weakref.ref(kept)  # the optimizer the user holds does not keep the kept state alive, nor it the optimizer
+    why = f"{type(optimizer).__name__}.step() (trainer.optimizers) ran on it between Trainer calls"
+
+    def stepped() -> None:
+        held = owner()
+        if held is not None:
+            held.outdated(why)
+
+    kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped)
+    return optimizer
+
+
+def _note_given_back(history: ModuleHistory, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Remember the given-back optimizer (weakly) and its groups' parameters by name, for
+    :func:`follow_parameters`."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    groups = [group["params"] for group in optimizer.param_groups]
+    if all(id(p) in names for params in groups for p in params):
+        history.given_back = (weakref.ref(optimizer), [[names[id(p)] for p in params] for params in groups])
+
+
+def follow_parameters(module: nn.Module) -> None:
+    """stagesafe replaced the module's parameter objects (meta mode, between calls): the optimizer the last fit
+    gave back, and its state, follow them by name, so that it stays over the module's parameters."""
+    history = history_of(module)
+    given = history.given_back if history is not None else None
+    optimizer = given[0]() if given is not None else None
+    if optimizer is not None:
+        repoint(optimizer, given[1], dict(module.named_parameters()))
 
 
 def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptTraining], str]:
@@ -25,6 +76,8 @@ def kept_training(module: nn.Module, *, world_size: int) -> tuple[Optional[KeptT
         return None, "no fit under StageSafeDeepSpeedStrategy has trained this module's weights in this process"
     if kept.checkpoint is None:
         return None, kept.missing
+    if kept.outdated_by:
+        return None, kept.outdated_by
     if not kept.holds(state_tensors(module)):
         return None, "the module's weights changed since the last fit ended, and its optimizer state with them"
     if kept.world_size != world_size:

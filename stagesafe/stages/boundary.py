@@ -29,6 +29,7 @@ from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
 from stagesafe.handoff.read import HandoffReader, check_present, read_manifest
 from stagesafe.stages import collectives
+from stagesafe.stages.between_calls import follow_parameters
 from stagesafe.stages.engine_weights import take_from_engine
 from stagesafe.stages.exit_steps import FirstFailure, PhaseClock, no_collector_passes
 from stagesafe.stages.history import (
@@ -420,6 +421,7 @@ class StageBoundary:
         history = self._entered()
         before = fingerprint(state_tensors(self.module))
         assign_values(self.module, values)
+        follow_parameters(self.module)  # new parameter objects: the given-back optimizer follows them
         if history.kept is not None:
             history.kept.moved(before, state_tensors(self.module))
         if self.report.wrote or history.target is None:
@@ -571,6 +573,8 @@ class StageBoundary:
         """New weights' kept engine state is the module's, for the tensors it holds now (``restored``). Once it
         is ``copied`` off the device, its host memory stays locked while that state lives, the rest is unlocked."""
         if kept is not None:
+            if history.kept is not None:
+                history.kept.drop_views()  # no view outlives the state it looks into
             history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
         if copied:
             self._end.release_kept_state()

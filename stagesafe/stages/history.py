@@ -53,6 +53,25 @@ class KeptTraining:
     lr_schedulers: list[dict[str, Any]] = field(default_factory=list)
     world_size: int = 1
     missing: str = ""  # why ``checkpoint`` is None: said when a checkpoint is saved without it
+    views: Any = field(default=None, compare=False, repr=False)  # what holds views into it (``drop()``)
+    outdated_by: str = ""  # what made it match no weights (:meth:`outdated`)
+
+    def drop(self, missing: str) -> None:
+        """Let go of the checkpoint files (``missing``: why there are none now), and of every view into them."""
+        self.checkpoint, self.missing = None, missing
+        self.drop_views()
+
+    def drop_views(self) -> None:
+        """Empty the optimizer state that holds views into these files (the given-back optimizer's)."""
+        views, self.views = self.views, None
+        if views is not None:
+            views.drop()
+
+    def outdated(self, why: str) -> None:
+        """Something stepped the optimizer on this state between calls (``why``, said when a checkpoint is saved
+        without it): it matches no weights any more (neither the fp32 masters nor the checkpoint files are given
+        for the module's tensors)."""
+        self.fingerprint, self.outdated_by = {}, why
 
     def masters_for(self, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The fp32 masters of the tensors that are still the ones they were kept with."""
@@ -79,6 +98,8 @@ class ModuleHistory:
     weights_from: dict[str, Any] = field(default_factory=dict)  # {"stage", "global_step", "epoch"} of the weights
     kept: KeptTraining | None = None  # what the last fit's engine held beyond the module's tensors
     state_bound: tuple[str, Fingerprint] | None = None  # the handoff whose optimizer state is these tensors'
+    # the optimizer the last fit gave back (held weakly) and the names of each of its groups' parameters
+    given_back: "tuple[weakref.ref[torch.optim.Optimizer], list[list[str]]] | None" = None
     _writer: "weakref.ref[HandoffWriter] | None" = None
 
     def holds(self, target: HandoffTarget, tensors: Mapping[str, torch.Tensor]) -> bool:

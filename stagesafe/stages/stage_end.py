@@ -328,7 +328,7 @@ class StageEnd:
                 log.warning("stagesafe: could not copy the optimizer state kept at the end of %s: %s", self._stage, exc)
                 kept = history.kept
                 if kept is not None and files is not None and kept.checkpoint is files:
-                    kept.checkpoint, kept.missing = None, f"copying it off the device failed ({type(exc).__name__})"
+                    kept.drop(f"copying it off the device failed ({type(exc).__name__})")
             finally:
                 self.release_kept_state()
 
@@ -389,8 +389,9 @@ def _release_kept_state(history: ModuleHistory | None) -> list[torch.Tensor]:
     tensors = _kept_tensors(history)
     kept: KeptTraining | None = history.kept if history is not None else None
     if kept is not None and kept.checkpoint is not None:
-        kept.checkpoint = None
-        kept.missing = "the fit after it let it go as it started, and ended without keeping its own"
+        kept.drop("the fit after it let it go as it started, and ended without keeping its own")
+    elif kept is not None:
+        kept.drop_views()
     return tensors
 
 

@@ -46,6 +46,7 @@ __all__ = [
     "partition_layout",
     "rank_files",
     "read_handoff_optimizer",
+    "state_numbers",
     "read_rank_files",
 ]
 
@@ -126,6 +127,12 @@ def partition_layout(engine: Any) -> list[FlatPartition]:
                 slices.append((names[id(param)], start - low, start - offset, end - start))
         out.append(FlatPartition(index, size, size - int(optimizer.groups_padding[index]), tuple(slices)))
     return out
+
+
+def state_numbers(layout: list[FlatPartition]) -> list[int]:
+    """The torch optimizer numbers the flat partitions param group by param group (ZeRO-3 appends each sub-group
+    to its group's params): the k-th of its state dict is the partition ``state_numbers(layout)[k]``."""
+    return sorted(range(len(layout)), key=lambda index: (layout[index].group, index))
 
 
 def read_rank_files(engine: Any, path: str) -> tuple[dict[str, dict[str, Any]], dict[str, Any]]:
@@ -327,11 +334,8 @@ def _optimizer_state(
         master = _flat(source, part, None, into=_engine_flat(engine_masters[index], part.numel), reads=reads,
                        device=engine_masters[index].device, keep_gaps=True)
         masters.append(master if part.saved == part.numel else master[: part.saved])
-    # the torch optimizer numbers the flat partitions param group by param group (ZeRO-3 appends each sub-group
-    # to its group's params): its k-th is the partition order[k]
-    order = sorted(range(len(layout)), key=lambda index: (layout[index].group, index))
     base_state: dict[int, dict[str, Any]] = {}
-    for number, index in enumerate(order):
+    for number, index in enumerate(state_numbers(layout)):
         part = layout[index]
         state = dict(source.values(source.partition_of_group(part.group)))
         held = _engine_state(optimizer, engine_masters[index])

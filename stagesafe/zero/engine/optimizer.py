@@ -6,27 +6,34 @@ is destroyed those partitions would be kept alive by the object Lightning's ``tr
 schedulers still name. :func:`optimizer_layout`, taken while the engine lives, records which of the module's
 parameters each group trains; :func:`plain_optimizer`, once the engine is gone, points the groups at them again
 and lets go of the partition-keyed state (what the engine held of it is kept beside the module, see
-:mod:`stagesafe.stages.between_calls`). The hyperparameters stay as the fit left them (the lr its schedulers set).
+:mod:`stagesafe.stages.between_calls`; at one rank the layout also records where each parameter's state lies in
+it, for the views :mod:`.optimizer_views` gives the optimizer). The hyperparameters stay as the fit left them (the
+lr its schedulers set).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["OptimizerLayout", "optimizer_layout", "plain_optimizer"]
+from stagesafe.zero.engine.optimizer_views import StatePlaces, state_places
+
+__all__ = ["OptimizerLayout", "optimizer_layout", "plain_optimizer", "repoint"]
 
 
 @dataclass
 class OptimizerLayout:
-    """The user's optimizer, and for each of its param groups the module's parameters it trains, in order."""
+    """The user's optimizer, and for each of its param groups the module's parameters it trains, in order;
+    ``places``: where each one's state lies in the kept checkpoint files (one rank only, else None)."""
 
     optimizer: torch.optim.Optimizer
     groups: list[list[nn.Parameter]]
+    places: StatePlaces | None = None
 
 
 def optimizer_layout(engine: Any) -> OptimizerLayout | None:
@@ -48,7 +55,7 @@ def optimizer_layout(engine: Any) -> OptimizerLayout | None:
             group.extend(params)
     else:
         return None
-    return OptimizerLayout(basic, groups)
+    return OptimizerLayout(basic, groups, state_places(engine))
 
 
 def plain_optimizer(layout: OptimizerLayout) -> torch.optim.Optimizer:
@@ -59,3 +66,17 @@ def plain_optimizer(layout: OptimizerLayout) -> torch.optim.Optimizer:
         group["params"] = list(params)
     optimizer.state = defaultdict(dict)
     return optimizer
+
+
+def repoint(optimizer: torch.optim.Optimizer, names: list[list[str]], params: Mapping[str, nn.Parameter]) -> None:
+    """Point the given-back ``optimizer``'s groups (``names``: the state-dict names of each group's parameters)
+    at the module's ``params`` of those names, where stagesafe replaced the parameter objects (a module moved to
+    or from the meta device between calls); each parameter's state follows it."""
+    for group, group_names in zip(optimizer.param_groups, names):
+        if len(group["params"]) != len(group_names) or any(n not in params for n in group_names):
+            continue  # the user changed the groups since: left as they are
+        fresh = [params[n] for n in group_names]
+        for old, new in zip(group["params"], fresh):
+            if old is not new and old in optimizer.state:
+                optimizer.state[new] = optimizer.state.pop(old)
+        group["params"] = fresh
