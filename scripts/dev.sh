@@ -33,7 +33,7 @@ case "${1:-}" in
     demo) setup; exec "$VENV/bin/python" examples/stage_sequence.py "${@:2}" ;;
     # two workers, a module each at a time: most tests wait on 2-rank jobs, which leave a core idle
     test) setup; exec "$VENV/bin/python" -m pytest -q -n "${STAGESAFE_TEST_WORKERS:-2}" --dist loadfile "${@:2}" ;;
-    test-fast) setup; exec "$VENV/bin/python" -m pytest -q -m "not slow" "${@:2}" ;;
+    test-fast) setup; exec "$VENV/bin/python" -m pytest -q -n "${STAGESAFE_TEST_WORKERS:-2}" -m "not slow" "${@:2}" ;;
     setup) setup ;;
     *) echo "usage: scripts/dev.sh {demo|test|test-fast|setup} [args...]" >&2; exit 2 ;;
 esac
