@@ -105,12 +105,12 @@ def sanitized_env(extra: Mapping[str, str | None] | None = None) -> dict[str, st
     env = {k: v for k, v in os.environ.items() if k not in _RENDEZVOUS_VARS}
     env["DS_ACCELERATOR"] = "cpu"
     env["OMP_NUM_THREADS"] = "1"
-    env.pop("PYTHONUNBUFFERED", None)  # tests/_line_buffered/sitecustomize.py writes whole lines instead
+    env.pop("PYTHONUNBUFFERED", None)  # tests/_launched/sitecustomize.py writes whole lines instead
     env.setdefault("TOKENIZERS_PARALLELISM", "false")
     # The child must import the package under test from this checkout, even when it is not installed.
     repo_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    line_buffered = os.path.join(repo_root, "tests", "_line_buffered")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, line_buffered, env.get("PYTHONPATH", "")) if p)
+    startup = os.path.join(repo_root, "tests", "_launched")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (repo_root, startup, env.get("PYTHONPATH", "")) if p)
     for name, value in (extra or {}).items():
         if value is None:
             env.pop(name, None)

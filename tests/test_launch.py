@@ -34,3 +34,22 @@ def test_a_launched_process_writes_its_stdout_a_line_at_a_time(tmp_path):
     script = tmp_path / "buffering.py"
     script.write_text("import sys; print(sys.stdout.line_buffering, 'PYTHONUNBUFFERED' in __import__('os').environ)")
     assert run_script(str(script)).stdout.split() == ["True", "False"]
+
+
+def test_a_launched_process_destroys_its_process_group_at_exit_while_the_interpreter_is_whole(tmp_path):
+    script = tmp_path / "group.py"
+    script.write_text(textwrap.dedent("""
+        import atexit, os, sys
+        import torch.distributed as dist
+        from sitecustomize import destroy_process_group_at_exit
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.all_reduce(__import__("torch").ones(3))
+        print("made", dist.is_initialized())
+        destroy_process_group_at_exit()
+        print("after", dist.is_initialized())
+        destroy_process_group_at_exit()  # none left: nothing to do
+    """))
+    from tests._launch import free_port
+
+    assert run_script(str(script), [str(free_port())], timeout=120).stdout.split() == ["made", "True", "after", "False"]
