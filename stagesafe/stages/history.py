@@ -22,6 +22,7 @@ from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 
 if TYPE_CHECKING:
     from stagesafe.stages.writer import HandoffWriter
+    from stagesafe.zero.engine.optimizer_views import OptimizerViews
 
 __all__ = [
     "HandoffTarget", "KeptTraining", "ModuleHistory", "history_of", "new_history", "state_tensors", "fingerprint",
@@ -53,7 +54,7 @@ class KeptTraining:
     lr_schedulers: list[dict[str, Any]] = field(default_factory=list)
     world_size: int = 1
     missing: str = ""  # why ``checkpoint`` is None: said when a checkpoint is saved without it
-    views: Any = field(default=None, compare=False, repr=False)  # what holds views into it (``drop()``)
+    views: OptimizerViews | None = field(default=None, compare=False, repr=False)  # what holds views into it
     outdated_by: str = ""  # what made it match no weights (:meth:`outdated`)
 
     def drop(self, missing: str) -> None:
