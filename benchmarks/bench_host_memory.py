@@ -4,6 +4,8 @@ One H200, the GPT of bench_leave_fit.py at 4.84B parameters (a run of each, one 
     python benchmarks/bench_host_memory.py --accelerator gpu --devices 1 --layers 22 --width 4096 \
         --sequence fit fit test predict
     python benchmarks/bench_host_memory.py --accelerator gpu --devices 1 --layers 22 --width 4096 --stock
+``--read-optimizer-state`` reads ``trainer.optimizers[0].state`` after each fit (window ``state``): at one rank it
+shows Adam's moments as views into the kept state, so the window's peak stays where it was.
 CPU, 2 processes, a 200M-parameter MLP:
     DS_ACCELERATOR=cpu python benchmarks/bench_host_memory.py --model mlp --layers 48 --width 2048 \
         --sequence fit fit fit test
@@ -141,6 +143,10 @@ def run_sequence(args: argparse.Namespace, rows: list) -> dict:
         if report is not None:  # leaving the call: the boundary, and of it the optimizer state's hand-off
             rows[-1]["boundary_s"] = report.seconds
             rows[-1]["optimizer_state_s"] = report.phases.get("optimizer_state")
+        if call == "fit" and args.read_optimizer_state:
+            with Window(rows, "state"):  # each parameter's state read once: on a GPU, waits for its copy off it
+                exposed = optimizer_state_bytes(trainer.optimizers[0], module) if trainer.optimizers else (0, 0)
+            rows[-1]["state_bytes"], rows[-1]["state_new_bytes"] = exposed
         del trainer
     with Window(rows, "wait"):
         strategy.wait_for_handoff()
@@ -168,6 +174,20 @@ def run_stock(args: argparse.Namespace, rows: list) -> dict:
         "live_host_bytes_optimizer_state": sum(storages[p] for p in in_state),
         "live_host_tensors_optimizer_state": [[list(t.shape), str(t.dtype)] for t in live if id(t) in state],
     }
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer, module: nn.Module) -> tuple[int, int]:
+    """Bytes of the tensors the given-back optimizer's state shows for the module's parameters, and of those
+    bytes the ones outside what stagesafe keeps of the fit (a copy would be; views into the kept state are not)."""
+    from stagesafe.stages.history import history_of
+    from stagesafe.zero.engine import tensors_in
+
+    kept = history_of(module).kept
+    held = tensors_in(kept.checkpoint) if kept is not None and kept.checkpoint is not None else []
+    kept_storages = {t.untyped_storage().data_ptr() for t in held}
+    shown = [t for p in module.parameters() for t in optimizer.state[p].values() if isinstance(t, torch.Tensor)]
+    return (sum(t.nbytes for t in shown),
+            sum(t.nbytes for t in shown if t.untyped_storage().data_ptr() not in kept_storages))
 
 
 def kept_bytes(module: nn.Module) -> int:
@@ -200,6 +220,9 @@ def show(everyone: list, info: dict, args: argparse.Namespace) -> None:
                   f"{row['rss_peak'] / params:8.1f} {kept} {gpu} {row['seconds']:7.1f}")
     for rank, rows in enumerate(everyone):
         for row in rows:
+            if "state_bytes" in row:
+                print(f"rank {rank} state: trainer.optimizers[0].state shows {row['state_bytes'] / 2**20:.1f} MiB of "
+                      f"tensors, {row['state_new_bytes'] / 2**20:.1f} MiB of them outside the kept state")
             if row.get("boundary_s") is not None:
                 state = row.get("optimizer_state_s")
                 print(f"rank {rank} {row['call']}: leaving it took {row['boundary_s']:.3f} s"
@@ -226,6 +249,8 @@ def main() -> None:
     parser.add_argument("--handoff-optimizer-state", action="store_true", help="handoff_optimizer_state=True")
     parser.add_argument("--between-stages", default="cpu", choices=("cpu", "meta"))
     parser.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "stagesafe-bench-host-memory"))
+    parser.add_argument("--read-optimizer-state", action="store_true",
+                        help="after each fit, read trainer.optimizers[0].state for every parameter (window 'state')")
     parser.add_argument("--json", default=None, help="also write every rank's rows here (rank 0)")
     args = parser.parse_args()
 

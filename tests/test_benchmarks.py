@@ -51,7 +51,7 @@ SMALLEST = {
     "bench_leave_fit.py": ["--layers", "1", "--width", "128", "--vocab", "500", "--root", "{tmp}"],
     "bench_meta_rss.py": ["--width", "256", "--layers", "2", "--root", "{tmp}"],
     "bench_host_memory.py": ["--model", "mlp", "--width", "64", "--layers", "2", "--steps", "1", "--sequence", "fit",
-                             "test", "--handoff-optimizer-state", "--root", "{tmp}"],
+                             "test", "--handoff-optimizer-state", "--read-optimizer-state", "--root", "{tmp}"],
     "bench_consolidate.py": ["--hidden", "128", "--layers", "2", "--repeat", "1", "--workdir", "{tmp}"],
     "bench_many_tensors.py": ["--counts", "64", "--arms", "stagesafe", "--save-state-dict", "--floor", "--repeat", "1",
                               "--root", "{tmp}"],

@@ -105,3 +105,110 @@ def test_a_step_on_16_bit_parameters_beside_fp32_state_is_refused_before_anythin
     params[1].grad = None
     optimizer.step()  # no parameter with a gradient: nothing to refuse
     assert steps == [1]
+
+
+def _on_device(files: dict, flat: dict) -> dict:
+    """Put meta tensors where ``flat``'s per-element tensors are (the engine's device tensors, not yet copied);
+    returns the host ones a copy would put back."""
+    held = files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]
+    host = {k: held[k] for k in ("exp_avg", "exp_avg_sq")}
+    held.update({k: torch.empty(v.shape, device="meta") for k, v in host.items()})
+    return host
+
+
+def _copy_later(files: dict, host: dict, copied, *, after: float = 0.2):
+    """The writer's device thread: after ``after`` seconds, the host tensors in place, then ``copied`` set."""
+    import threading
+    import time
+
+    def copy() -> None:
+        time.sleep(after)
+        files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(host)
+        copied.set()
+
+    thread = threading.Thread(target=copy)
+    thread.start()
+    return thread
+
+
+def test_a_state_still_on_the_device_is_seen_empty_without_waiting_until_the_call_returned():
+    import threading
+
+    params, flat, files, places, optimizer = _setup()
+    host, copied = _on_device(files, flat), threading.Event()
+    views = attach_views(optimizer, files, places, on_step=lambda: None, copied=copied, timeout=60)
+    assert views is not None and optimizer.state is views.state
+    assert len(optimizer.state) == 0 and list(optimizer.state.items()) == []  # Lightning's teardown: no wait
+    entry = optimizer.state[params[0]]  # made by a read there, as a defaultdict makes it
+    files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(host)
+    copied.set()
+    assert optimizer.state[params[0]] is entry and entry["exp_avg"].data_ptr() == host["exp_avg"].data_ptr()
+    assert optimizer.state[params[1]]["exp_avg_sq"].data_ptr() == host["exp_avg_sq"].data_ptr() + 6 * 4
+
+
+@pytest.mark.parametrize("first_use", ["read", "step", "state_dict"])
+def test_once_the_call_returned_the_first_use_waits_for_the_copy_then_finds_the_views(first_use):
+    import threading
+
+    params, flat, files, places, optimizer = _setup()
+    host, copied = _on_device(files, flat), threading.Event()
+    steps = []
+    views = attach_views(optimizer, files, places, on_step=lambda: steps.append(1), copied=copied, timeout=60)
+    views.call_returned()
+    thread = _copy_later(files, host, copied)
+    before = host["exp_avg"].clone()
+    if first_use == "read":
+        assert optimizer.state[params[0]]["exp_avg"].data_ptr() == host["exp_avg"].data_ptr()
+    elif first_use == "step":
+        params[0].grad = torch.ones_like(params[0])
+        optimizer.step()  # on the kept moments, not on a fresh state made before they arrived
+        assert steps == [1] and torch.allclose(host["exp_avg"][:6], before[:6] * 0.9 + 0.1)
+        assert optimizer.state[params[0]]["step"].item() == 8.0
+    else:
+        saved = optimizer.state_dict()["state"]
+        assert sorted(saved) == [0, 1] and torch.equal(saved[1]["exp_avg"], before[6:10])
+    assert copied.is_set()
+    thread.join()
+
+
+def test_a_state_dropped_before_its_copy_stays_empty():
+    import threading
+
+    params, flat, files, places, optimizer = _setup()
+    host, copied = _on_device(files, flat), threading.Event()
+    views = attach_views(optimizer, files, places, on_step=lambda: None, copied=copied, timeout=60)
+    views.call_returned()
+    views.drop()  # the copy failed: the kept state went before any view was made
+    files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(host)
+    copied.set()
+    assert len(optimizer.state) == 0 and params[0] not in optimizer.state
+
+
+def test_a_copy_that_never_ends_leaves_the_state_empty_after_the_timeout(caplog):
+    import threading
+
+    params, flat, files, places, optimizer = _setup()
+    _on_device(files, flat)
+    views = attach_views(optimizer, files, places, on_step=lambda: None, copied=threading.Event(), timeout=0.1)
+    views.call_returned()
+    with caplog.at_level("WARNING"):
+        assert len(optimizer.state) == 0
+    assert "not copied off the device within 0.1 s" in caplog.text
+    assert len(optimizer.state) == 0  # said once; not waited for again
+
+
+def test_a_copy_of_the_pending_state_is_a_plain_filled_one():
+    import copy
+    import pickle
+    import threading
+    from collections import defaultdict
+
+    params, flat, files, places, optimizer = _setup()
+    copied = threading.Event()
+    copied.set()  # the copy off the device is over
+    attach_views(optimizer, files, places, on_step=lambda: None, copied=copied)
+    for other in (copy.deepcopy(optimizer.state), copy.copy(optimizer.state), optimizer.state.copy(),
+                  pickle.loads(pickle.dumps(dict(optimizer.state))), defaultdict(dict, optimizer.state)):
+        assert len(other) == 2 and torch.equal(other[next(iter(other))]["exp_avg"], flat["exp_avg"][:6].view(2, 3))
+        other.clear()  # not the optimizer's
+    assert len(optimizer.state) == 2

@@ -37,7 +37,7 @@ def _s3fs(code: str, status: int) -> BaseException:
     return translate_boto_error(_client_error(code, status))
 
 
-def _transient_cases():
+def _cases_of_the_s3_extra():
     import aiohttp
     from botocore.exceptions import ConnectionClosedError, EndpointConnectionError, ReadTimeoutError
 
@@ -59,6 +59,9 @@ def _transient_cases():
     yield "InvalidArgument via s3fs", _s3fs("InvalidArgument", 400), False
     yield "ClientError SlowDown untranslated", _client_error("SlowDown", 503), True
     yield "ClientError AccessDenied untranslated", _client_error("AccessDenied", 403), False
+
+
+def _builtin_cases():
     yield "connection reset", ConnectionResetError(errno.ECONNRESET, "reset"), True
     yield "socket timeout", TimeoutError("timed out"), True
     yield "disk full", OSError(errno.ENOSPC, "No space left on device"), False
@@ -67,7 +70,17 @@ def _transient_cases():
     yield "a bug", RuntimeError("device lost"), False
 
 
-@pytest.mark.parametrize(("exc", "expected"), [pytest.param(e, t, id=i) for i, e, t in _transient_cases()])
+def _transient_cases() -> list:
+    """Every case; those of the s3 extra's libraries skipped where it is not installed (an image without it)."""
+    cases = [pytest.param(e, t, id=i) for i, e, t in _builtin_cases()]
+    try:
+        cases += [pytest.param(e, t, id=i) for i, e, t in _cases_of_the_s3_extra()]
+    except ImportError as exc:
+        cases.append(pytest.param(None, None, id="s3 extra", marks=pytest.mark.skip(reason=f"stagesafe[s3]: {exc}")))
+    return cases
+
+
+@pytest.mark.parametrize(("exc", "expected"), _transient_cases())
 def test_is_transient(exc, expected):
     assert is_transient(exc) is expected
 

@@ -19,10 +19,10 @@ HANDOFF = "stagesafe_handoff"
 
 def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: str = "32-true",
          configure_model: bool = False, handoff_optimizer_state: bool = False, between_stages: str = "cpu",
-         groups: int = 1, callbacks=()):
+         groups: int = 1, callbacks=(), accelerator: str = "cpu", wait: bool = True):
     """A two-layer module (``configure_model``: built there, under zero.Init for ZeRO-3), AdamW with weight decay
     (``groups=2``: the second layer's parameters first, the first's in a group of their own), a Trainer of one
-    CPU rank under stagesafe with a foreground write, and its data."""
+    rank (CPU, or ``accelerator="gpu"``) under stagesafe that waits for its write (``wait``), and its data."""
     import lightning.pytorch as pl
     from torch import nn
 
@@ -52,12 +52,12 @@ def _run(root, *, stage: int = 3, steps: int = 3, keep: bool = True, precision: 
     torch.manual_seed(0)
     data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=2)
     strategy = StageSafeDeepSpeedStrategy(
-        stage=stage, wait_for_write=True, keep_optimizer_state=keep, handoff_optimizer_state=handoff_optimizer_state,
+        stage=stage, wait_for_write=wait, keep_optimizer_state=keep, handoff_optimizer_state=handoff_optimizer_state,
         between_stages=between_stages,
         handoff_uri=os.path.join(str(root), HANDOFF), overwrite_handoff=True,
         config={"zero_allow_untested_optimizer": True, "zero_optimization": {"stage": stage},
                 "train_micro_batch_size_per_gpu": 2})
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=steps, default_root_dir=str(root),
+    trainer = pl.Trainer(accelerator=accelerator, devices=1, strategy=strategy, max_steps=steps, default_root_dir=str(root),
                          precision=precision, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=list(callbacks))
     return Model(), trainer, data
@@ -109,6 +109,56 @@ def test_after_fit_the_optimizer_holds_each_parameters_moments_as_views_into_the
         assert step.item() == 3.0 == form.groups[-1].state["step"]["value"]
     steps = [optimizer.state[p]["step"] for p in model.parameters()]
     assert len({s.data_ptr() for s in steps}) == len(steps)  # a copy per parameter, as torch's AdamW holds it
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("wait", [False, True])
+def test_on_a_gpu_the_state_copied_off_the_device_after_the_call_is_there_at_its_first_use(in_process, wait):
+    """On a GPU the kept state comes off the device after the call returned (the writer's device thread): the
+    first read of the given-back optimizer's state waits for that copy, then holds the views, as on the CPU."""
+    import stagesafe
+    from stagesafe.handoff.optimizer_state import open_form, state_name
+    from stagesafe.stages.history import history_of
+
+    os.environ.pop("DS_ACCELERATOR", None)  # DeepSpeed's own: the GPU
+    model, trainer, data = _run(in_process, accelerator="gpu", handoff_optimizer_state=True, wait=wait)
+    trainer.fit(model, data)
+    optimizer = trainer.optimizers[0]
+    states = {name: optimizer.state[param] for name, param in model.named_parameters()}  # may wait for the copy
+    assert history_of(model).kept.copied.is_set()
+    trainer.strategy.wait_for_handoff()
+    handed_off = stagesafe.load_state_dict(open_form(os.path.join(str(in_process), HANDOFF)).url)
+    kept_storages = _storages(model)
+    for name, state in states.items():
+        assert sorted(state) == ["exp_avg", "exp_avg_sq", "step"] and state["step"].item() == 3.0, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key].device.type == "cpu" and state[key].untyped_storage().data_ptr() in kept_storages
+            assert torch.equal(state[key].view(torch.int32), handed_off[state_name(key, name)].view(torch.int32))
+    model.training_step(next(iter(data)), 0).backward()  # the module is back on the CPU: a step there works
+    optimizer.step()
+    assert all(optimizer.state[p]["step"].item() == 4.0 for p in model.parameters())
+    assert history_of(model).kept.fingerprint == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_on_a_gpu_layers_built_in_configure_model_under_bf16_get_fp32_views_and_a_step_is_refused(in_process):
+    from stagesafe import InvalidArgumentError
+    from stagesafe.stages.history import history_of
+
+    os.environ.pop("DS_ACCELERATOR", None)
+    model, trainer, data = _run(in_process, accelerator="gpu", precision="bf16-mixed", configure_model=True,
+                                wait=False)
+    trainer.fit(model, data)
+    optimizer = trainer.optimizers[0]
+    assert {(p.dtype, p.device.type) for p in model.parameters()} == {(torch.bfloat16, "cpu")}
+    assert {optimizer.state[p]["exp_avg"].dtype for p in model.parameters()} == {torch.float32}  # after the copy
+    assert history_of(model).kept.copied.is_set()
+    model.training_step(next(iter(data))[0].bfloat16()[None], 0).float().backward()
+    with pytest.raises(InvalidArgumentError, match=r"held in torch.bfloat16 .*trainer.fit"):
+        optimizer.step()
+    trainer.strategy.wait_for_handoff()
 
 
 def test_the_views_are_where_the_kept_flat_partition_holds_each_parameter(in_process):

@@ -27,7 +27,9 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
     """After a fit, the user's optimizer over the module's parameters (:func:`plain_optimizer`), its state the
     fit's kept state where this rank holds each parameter's whole (one rank): views into it, owned by the kept
     state (``KeptTraining.drop_views`` empties them when it goes). A ``step()`` on them makes the kept state match
-    no weights. Otherwise its state is empty."""
+    no weights. Otherwise its state is empty. Where the kept state is still to be copied off the device, the
+    views are made on the state's first use after the call returned, waiting as long as the module's writer
+    waits for anything (its ``timeout``) at most."""
     optimizer = plain_optimizer(layout)
     history = history_of(module) if module is not None else None
     if history is None or module is None:
@@ -45,7 +47,8 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
         if held is not None:
             held.outdated(why)
 
-    kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped)
+    kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped, copied=kept.copied,
+                              timeout=history.writer.timeout if history.writer is not None else 1800.0)
     return optimizer
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -366,6 +367,8 @@ class StageBoundary:
                                      write=not failed or self._stepped, state=not failed)
         except BaseException:
             self._end.release_kept_state_hold()  # no copy will come to end the hold
+            if history.kept is not None and history.kept.copied is not None:
+                history.kept.copied.set()  # nor one that a given-back optimizer's state may wait for
             raise
         if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
             self._meta_values = _meta_tensors(meta_specs, history)
@@ -544,6 +547,7 @@ class StageBoundary:
         kept = KeptTraining(
             {}, masters=_masters_in(taken.values or {}, history), checkpoint=checkpoint, missing=missing,
             lr_schedulers=[copy.deepcopy(dict(s)) for s in lr_schedulers], world_size=collectives.world_size(),
+            copied=threading.Event() if copies is not None and copies.slots else None,
         )
         return kept, copies
 

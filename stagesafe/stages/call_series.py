@@ -122,9 +122,13 @@ class CallSeries:
         return ending
 
     def call_returned(self, module: nn.Module | None) -> None:
-        """The Trainer call is returning: its teardown's CUDA calls no longer wait for the writers' copies."""
+        """The Trainer call is returning: its teardown's CUDA calls no longer wait for the writers' copies, and
+        the optimizer it gave back may wait for its state's copy off the device."""
         for writer in self.writers(module):
             writer.call_returned()
+        history = history_of(module) if module is not None else None
+        if history is not None and history.kept is not None:
+            history.kept.call_returned()
 
     def join(self, module: nn.Module | None) -> None:
         """Return once the last write is committed or failed (its failure: :meth:`failure`)."""

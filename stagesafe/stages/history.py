@@ -10,6 +10,7 @@ lives here: the writer owns it.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -56,6 +57,9 @@ class KeptTraining:
     missing: str = ""  # why ``checkpoint`` is None: said when a checkpoint is saved without it
     views: OptimizerViews | None = field(default=None, compare=False, repr=False)  # what holds views into it
     outdated_by: str = ""  # what made it match no weights (:meth:`outdated`)
+    # set once ``checkpoint``'s device tensors are copied off the device after the call (or never will be);
+    # None: its tensors were on the host from the start
+    copied: threading.Event | None = field(default=None, compare=False, repr=False)
 
     def drop(self, missing: str) -> None:
         """Let go of the checkpoint files (``missing``: why there are none now), and of every view into them."""
@@ -67,6 +71,11 @@ class KeptTraining:
         views, self.views = self.views, None
         if views is not None:
             views.drop()
+
+    def call_returned(self) -> None:
+        """The Trainer call that kept this state has returned: views still to be filled may wait for the copy."""
+        if self.views is not None:
+            self.views.call_returned()
 
     def outdated(self, why: str) -> None:
         """Something stepped the optimizer on this state between calls (``why``, said when a checkpoint is saved

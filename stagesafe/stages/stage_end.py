@@ -319,6 +319,7 @@ class StageEnd:
         thread, which every collective and the next call's entry wait for; a failure leaves the module without
         kept state (``history.kept``), and says why when a checkpoint is saved."""
         files = history.kept.checkpoint if history.kept is not None else None
+        copied = history.kept.copied if history.kept is not None else None
 
         def copy_kept() -> None:
             pool = self._kept_state
@@ -331,6 +332,8 @@ class StageEnd:
                     kept.drop(f"copying it off the device failed ({type(exc).__name__})")
             finally:
                 self.release_kept_state()
+                if copied is not None:
+                    copied.set()
 
         return copy_kept
 

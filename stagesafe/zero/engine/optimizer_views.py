@@ -14,10 +14,17 @@ A ``step()`` between calls runs in place on those views (the kept state then mat
 on parameters held in 16 bits (layers built in ``configure_model`` under ``bf16-mixed``) beside fp32 state is
 refused before anything changes, as torch's optimizers cannot step them together. At several ranks a rank holds
 only its partition of each parameter's state: no views (the state stays empty).
+
+On a GPU the kept state is copied off the device after the Trainer call has returned (the call does not wait for
+it): :func:`attach_views` given that copy's event fills the state on first use instead. Until the call has
+returned (Lightning's own teardown reads the state) it is seen empty without waiting; from then on the first
+read or ``step()`` waits for the copy, then finds the views.
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -29,6 +36,8 @@ from torch import nn
 from stagesafe.errors import InvalidArgumentError, shown
 
 __all__ = ["StatePlaces", "OptimizerViews", "state_places", "attach_views"]
+
+log = logging.getLogger(__name__)
 
 # Where DeepSpeed's optimizer state dict holds the torch optimizer's own: ZeRO-3, then ZeRO 1/2 and BF16_Optimizer.
 _TORCH_STATE_KEYS = ("optimizer_state_dict", "base_optimizer_state")
@@ -85,23 +94,99 @@ def state_places(engine: Any) -> StatePlaces | None:
     return StatePlaces(file, tuple(places))
 
 
+class _FilledOnFirstUse(defaultdict):
+    """An optimizer's ``state`` that takes the views on its first use once the kept state is on the host
+    (``copied`` set), waiting for that from :meth:`call_returned` on; before, it is seen as it is (empty).
+    Made with :meth:`pending`; one made by ``defaultdict``'s own copy or pickle is a plain, filled one."""
+
+    _fill: Callable[[], dict[nn.Parameter, dict[str, Any]] | None] | None = None
+    _copied: threading.Event | None = None
+    _may_wait = False
+    _timeout = 0.0
+    _lock = threading.Lock()
+
+    @classmethod
+    def pending(
+        cls, fill: Callable[[], dict[nn.Parameter, dict[str, Any]] | None], copied: threading.Event, timeout: float
+    ) -> "_FilledOnFirstUse":
+        state = cls(dict)
+        state._fill, state._copied, state._timeout, state._lock = fill, copied, timeout, threading.Lock()
+        return state
+
+    def call_returned(self) -> None:
+        """The Trainer call has returned: the copy has started or will, so a read waits for it."""
+        self._may_wait = True
+
+    def cancel(self) -> None:
+        """The kept state goes before the views were made: none will be."""
+        if self._fill is not None:
+            with self._lock:
+                self._fill = None
+
+    def _settle(self) -> None:
+        if self._fill is None:
+            return
+        copied = self._copied
+        assert copied is not None
+        if not copied.is_set():
+            if not self._may_wait:
+                return  # the call's own teardown: the copy waits for it to return
+            if not copied.wait(self._timeout):
+                log.warning("stagesafe: the kept optimizer state was not copied off the device within %g s: "
+                            "trainer.optimizers[0].state stays empty", self._timeout)
+                self.cancel()
+                return
+        with self._lock:  # never held while waiting: cancel() comes from the thread that copies
+            fill, self._fill = self._fill, None
+            made = fill() if fill is not None else None
+            for param, held in (made or {}).items():
+                dict.setdefault(self, param, {}).update(held)  # an entry made meanwhile keeps its identity
+
+
+def _settling(name: str) -> Callable[..., Any]:
+    base = getattr(defaultdict, name)
+
+    def method(self: _FilledOnFirstUse, *args: Any, **kwargs: Any) -> Any:
+        self._settle()
+        return base(self, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+for _name in ("__getitem__", "__setitem__", "__delitem__", "__contains__", "__iter__", "__len__", "__repr__",
+              "__eq__", "__ne__", "__or__", "__ior__", "__reduce__", "keys", "values", "items", "get", "pop",
+              "popitem", "setdefault", "update", "copy", "clear"):
+    setattr(_FilledOnFirstUse, _name, _settling(_name))
+
+
 class OptimizerViews:
     """The views an optimizer's ``state`` holds into the kept state, owned here: :meth:`drop` empties that state.
     ``on_step``: called once the optimizer stepped on them (the kept state then matches no weights)."""
 
     def __init__(
-        self, optimizer: torch.optim.Optimizer, state: dict[nn.Parameter, dict[str, Any]], names: Mapping[int, str],
+        self, optimizer: torch.optim.Optimizer, state: Mapping[nn.Parameter, dict[str, Any]], names: Mapping[int, str],
         *, on_step: Callable[[], None],
     ) -> None:
-        self.state: defaultdict[nn.Parameter, dict[str, Any]] = defaultdict(dict, state)
+        if not isinstance(state, _FilledOnFirstUse):
+            state = defaultdict(dict, state)
+        self.state: defaultdict[nn.Parameter, dict[str, Any]] = state
         self._names = dict(names)
         self._on_step = on_step
         optimizer.state = self.state
         self._hooks = [optimizer.register_step_pre_hook(self._before_step),
                        optimizer.register_step_post_hook(self._after_step)]
 
+    def call_returned(self) -> None:
+        """The Trainer call that gave the optimizer back has returned: a state still to be filled (its copy off
+        the device follows now) is waited for from here on."""
+        if isinstance(self.state, _FilledOnFirstUse):
+            self.state.call_returned()
+
     def drop(self) -> None:
         """The kept state goes: the optimizer's state (if it is still this one) is emptied, the hooks removed."""
+        if isinstance(self.state, _FilledOnFirstUse):
+            self.state.cancel()
         self.state.clear()
         for hook in self._hooks:
             hook.remove()
@@ -132,12 +217,24 @@ class OptimizerViews:
 
 def attach_views(
     optimizer: torch.optim.Optimizer, files: Mapping[str, Mapping[str, Any]], places: StatePlaces,
-    *, on_step: Callable[[], None],
+    *, on_step: Callable[[], None], copied: threading.Event | None = None, timeout: float = 1800.0,
 ) -> OptimizerViews | None:
     """Fill ``optimizer.state`` with the kept state of each parameter in ``places``: views of its shape into
     the per-element tensors of the kept ``files`` (in host memory; no copy), a copy of each one-value state. None
     (the state left as it is) where the files do not hold the state as laid out (another form, a device tensor
-    still to be copied off the device, a tensor too small)."""
+    still to be copied off the device, a tensor too small). ``copied``: the event of the copy off the device
+    that makes the files' tensors host ones; the state is then filled on first use (the module's docstring),
+    waiting ``timeout`` seconds at most (then it stays empty, as where no views can be made)."""
+    names = {id(p.param): p.name for p in places.places}
+    if copied is not None:
+        pending = _FilledOnFirstUse.pending(lambda: _views(files, places), copied, timeout)
+        return OptimizerViews(optimizer, pending, names, on_step=on_step)
+    state = _views(files, places)
+    return OptimizerViews(optimizer, state, names, on_step=on_step) if state is not None else None
+
+
+def _views(files: Mapping[str, Mapping[str, Any]], places: StatePlaces) -> dict[nn.Parameter, dict[str, Any]] | None:
+    """Each laid-out parameter's state as views into ``files`` (:func:`attach_views`); None where it cannot be."""
     held = files.get(places.file, {}).get("optimizer_state_dict")
     torch_state = next((held[k] for k in _TORCH_STATE_KEYS if isinstance(held, Mapping) and k in held), None)
     numbered = torch_state.get("state") if isinstance(torch_state, Mapping) else None
@@ -160,7 +257,7 @@ def attach_views(
             else:
                 per_parameter[key] = value
         state[place.param] = per_parameter
-    return OptimizerViews(optimizer, state, {id(p.param): p.name for p in places.places}, on_step=on_step)
+    return state
 
 
 def _view(flat: torch.Tensor, place: Place) -> torch.Tensor | None:
