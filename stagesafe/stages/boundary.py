@@ -8,8 +8,9 @@ decides once where the stage's weights come from (:mod:`~stagesafe.stages.weight
 destroys the engine, restores the module to plain tensors in the dtype and device it had before its first
 stage, and publishes: has the handoff (fp32 wherever training had masters) written when it does not hold them
 yet (by the strategy's :class:`~stagesafe.stages.writer.HandoffWriter`, in the background unless asked
-otherwise). The end's plan, host memory and kept state are :mod:`~stagesafe.stages.stage_end`'s; taking
-weights from the engine is :mod:`~stagesafe.stages.engine_weights`'.
+otherwise). What the entry checks and reads before any engine (a clean module, ``resume_from``'s weights, the
+handoff still there) is :mod:`~stagesafe.stages.stage_entry`'s; the end's plan, host memory and kept state are
+:mod:`~stagesafe.stages.stage_end`'s; taking weights from the engine is :mod:`~stagesafe.stages.engine_weights`'.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ import torch
 from torch import nn
 
 from stagesafe.boundary_report import BoundaryReport
-from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
-from stagesafe.handoff.read import HandoffReader, check_present, read_manifest
+from stagesafe.errors import InvalidArgumentError
+from stagesafe.handoff.read import HandoffReader
 from stagesafe.stages import collectives
 from stagesafe.stages.between_calls import follow_parameters
 from stagesafe.stages.engine_weights import take_from_engine
@@ -38,18 +39,18 @@ from stagesafe.stages.history import (
     ModuleHistory,
     fingerprint,
     history_of,
-    new_history,
     state_tensors,
 )
 from stagesafe.stages.optimizer_handoff import forget_optimizer_handoff, write_optimizer_handoff
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
 from stagesafe.stages.stage_end import StageEnd
+from stagesafe.stages.stage_entry import assert_clean, build_from_handoff, check_still_there, first_stage
 from stagesafe.stages.weight_source import WeightSource, weight_sources
 from stagesafe.stages.writer import HandoffWriter
-from stagesafe.restore import assign_values, load_for
+from stagesafe.restore import assign_values
 from stagesafe.zero import engine as zero_engine
 
-__all__ = ["StageBoundary", "StageOptions", "assert_clean"]
+__all__ = ["StageBoundary", "StageOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -107,19 +108,6 @@ class _Taken:
     failed: tuple[WeightSource, ...] = ()  # the sources tried first, whose taking failed
 
 
-def assert_clean(module: nn.Module, *, fresh: set[int] = frozenset()) -> None:
-    """Raise :class:`StaleDeepSpeedStateError` when the module still carries an earlier engine's state.
-    ``fresh``: ids of parameters DeepSpeed's ``zero.Init`` built in this call (Lightning's ``configure_model``)."""
-    problems = zero_engine.find_stale_state(module, fresh=fresh)
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise StaleDeepSpeedStateError(
-            f"The module still carries state of an earlier DeepSpeed engine: {shown}. Building a new engine over it "
-            "would re-adopt stale ZeRO partitions. Run every stage through StageSafeDeepSpeedStrategy, or load the "
-            "weights into a fresh module with stagesafe.restore(module, handoff_uri)."
-        )
-
-
 class StageBoundary:
     """The life of one Trainer call's engine over ``module``; create one per call."""
 
@@ -171,16 +159,19 @@ class StageBoundary:
                 "stage with StageSafeDeepSpeedStrategy(between_stages='meta')"
             )
         if history is None:
-            tensors, history = self._first_stage(tensors, resume_from, on_meta, weights_from or {})
+            tensors, history = first_stage(self.module, tensors, resume_from=resume_from, target=self.target,
+                                           on_meta=on_meta, weights_from=weights_from or {})
         if resume_from is not None and history.weights_from.get("resumed_from") == resume_from.uri:
             self.resumed = resume_from  # no call has changed the weights it took (inference calls, a fit with no step)
         history.note_names(tensors, fresh=built)
         self.history = history
         self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
-        self._still_there(history, on_meta)
+        check_still_there(history, self.target, self.writer, on_meta=on_meta)
         footprint = zero_engine.take_footprint(self.module, fresh=self.options.fresh)
         if on_meta:
-            self._entry = _Entry(self._build_from_handoff(history), built=built, footprint=footprint)
+            assert self.options.materialize is not None
+            reader = build_from_handoff(history, self.writer, self.options.materialize)
+            self._entry = _Entry(reader, built=built, footprint=footprint)
         else:
             entry = {n: t for n, t in tensors.items() if n not in built}
             masters = history.kept.masters_for(entry) if history.kept is not None else {}
@@ -194,86 +185,6 @@ class StageBoundary:
         """The parameters zero.Init built in this call (partitioned: their values are the engine's)."""
         params = self.module.named_parameters(remove_duplicate=False)
         return {n for n, p in params if id(p) in self.options.fresh and zero_engine.is_zero3_param(p)}
-
-    def _first_stage(
-        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool,
-        weights_from: Mapping[str, Any],
-    ) -> tuple[dict[str, torch.Tensor], ModuleHistory]:
-        """A module's first stage under stagesafe: it takes ``resume_from``'s weights (a module of meta tensors
-        is built from that handoff instead), and its history starts, naming this call as where its weights are
-        from unless they are resumed."""
-        bound = None
-        if resume_from is not None and not on_meta:
-            tensors, bound = self._resume(resume_from)
-        history = new_history(self.module)
-        history.weights_from = dict(weights_from)
-        if resume_from is not None:
-            history.target = resume_from if on_meta else None
-            history.weights_from = {"resumed_from": resume_from.uri}
-            if bound is not None:  # written again where they were read, the weights still name their optimizer state
-                history.weights_from["optimizer"] = bound
-                history.bind_state(resume_from.uri, tensors)
-        return tensors, history
-
-    def _resume(self, source: HandoffTarget) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        """Every rank loads and checks the handoff; none changes its module unless all can. Returns the module's
-        tensors and, where this stage's handoff is that same folder, the optimizer state its weights name (which
-        a write of the same weights there names again)."""
-
-        def read() -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-            placed = load_for(self.module, source.uri, storage_options=source.storage_options,
-                              progress=None if collectives.rank() == 0 else False)  # one bar, on rank 0's terminal
-            if source.uri.rstrip("/") != self.target.uri.rstrip("/"):
-                return placed, None
-            bound = read_manifest(source.uri, storage_options=source.storage_options)["metadata"].get("optimizer")
-            return placed, bound
-
-        placed, bound = collectives.all_ranks(
-            read,
-            f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
-            "not visible from other nodes; use shared storage or an object store)",
-        )
-        zero_engine.strip_deepspeed_state(self.module, None)
-        assign_values(self.module, placed)
-        return state_tensors(self.module), bound
-
-    def _still_there(self, history: ModuleHistory, on_meta: bool) -> None:
-        """The handoff that holds the module's weights may have been deleted or damaged since it was written
-        (rank 0 looks; every rank acts on what it saw). A module with weights writes it again at this stage;
-        a module of meta tensors has nothing to write it from: its error is raised, naming the handoff."""
-        source = history.target
-        if source is None or history.fingerprint is None or self.writer.pending_uri == source.uri:
-            return
-        if source != self.target and not on_meta:
-            return  # the module's weights go to this stage's handoff in any case
-        absent = collectives.on_rank_zero(lambda: _absence(source), f"looking at the handoff {source.uri}")
-        if absent is None:
-            return
-        missing, error = absent
-        if on_meta:
-            raise (HandoffNotFoundError if missing else HandoffCorruptError)(
-                f"the module holds meta tensors, and the handoff that holds its weights is gone or damaged: {error}. "
-                "Nothing can rebuild them here: resume from another copy (resume_from=URI on a fresh module)"
-            )
-        log.warning("stagesafe: %s; this stage writes the module's weights there again", error)
-        history.lost()
-
-    def _build_from_handoff(self, history: ModuleHistory) -> HandoffReader:
-        """A module of meta tensors: the engine's partitions are built from the handoff that holds its weights,
-        one shard and one submodule at a time. Returns the handoff, the weights the stage starts with."""
-        source = history.target
-        if source is None:
-            raise InvalidArgumentError(
-                "the module holds meta tensors and no handoff holds its weights: pass resume_from=URI, or load "
-                "them with stagesafe.restore(module, uri) first"
-            )
-        if self.writer.pending_uri == source.uri:
-            self.writer.join()  # this stage reads the handoff: its write must be committed
-        reader = HandoffReader(source.uri, storage_options=source.storage_options)
-        materialize = self.options.materialize
-        assert materialize is not None
-        collectives.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source.uri}")
-        return reader
 
     def _prepare_end(self, history: ModuleHistory, tensors: Mapping[str, torch.Tensor]) -> None:
         """While the stage runs: the end's plan is made, and a training stage's host memory made ready; an
@@ -644,17 +555,6 @@ def _meta_tensors(
         for name, (shape, _) in specs.items()
         if name in history.original
     }
-
-
-def _absence(target: HandoffTarget) -> tuple[bool, str] | None:
-    """Why the handoff at ``target`` is not there whole (``missing``: it is gone), or None."""
-    try:
-        check_present(target.uri, storage_options=target.storage_options)
-    except HandoffNotFoundError as exc:
-        return True, str(exc)
-    except HandoffCorruptError as exc:
-        return False, str(exc)
-    return None
 
 
 def _join_elsewhere(history: ModuleHistory | None, writer: HandoffWriter) -> None:
