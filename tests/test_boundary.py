@@ -295,14 +295,14 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
     history_of(module).weights_from = {"stage": "validate", "global_step": 0}  # what an earlier stage left
     engine = _engine(module)  # casts the module to bf16 and partitions it
     boundary.engine_built(engine, training=True)  # the masters get the exact fp32 values, not bf16-rounded ones
-    planned = boundary._end.plan  # made as the stage entered, before the engine cast anything
+    planned = boundary.end.plan  # made as the stage entered, before the engine cast anything
     report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=False)
     boundary.place_meta()
     assert report.wrote and report.clean
     handoff = stagesafe.load_state_dict(uri)
     manifest = stagesafe.read_manifest(uri)
     if not meta:  # the plan made at entry is the one written: the same shards, the bf16 layer's as fp32
-        assert boundary._end.plan is planned
+        assert boundary.end.plan is planned
         assert sorted(map(sorted, _names_per_shard(manifest))) == sorted(map(sorted, planned.shards.values()))
         assert {n: t["dtype"] for n, t in planned.tensors.items()} == {
             "0.weight": "float32", "0.bias": "float32", "1.weight": "float32", "1.bias": "float32"}

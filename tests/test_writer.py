@@ -124,7 +124,7 @@ def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on
         values = {"x": Unwritable(torch.ones(3))}
         failing[r].start(_request(str(tmp_path / "f"), values))
         if r == 0:
-            failing[0]._write.committed.wait(30)  # the failure is known before the next call's entry
+            concurrent.futures.wait([failing[0].committed], timeout=30)  # the failure is known before the next call's entry
         failing[r].check("entering test")
 
     zero, one = on_every_rank(failing_rank, 2)
@@ -390,7 +390,7 @@ def test_a_copy_that_fails_fails_the_write_from_copying_on(tmp_path):
     writer.start(_request(str(tmp_path / "h"), _values(), fill=fill))
     assert writer.state is WriteState.COPYING
     gate.set()
-    assert isinstance(writer._write.copied.exception(30), OSError)
+    assert isinstance(writer.copied.exception(30), OSError)
     assert writer.state is WriteState.FAILED
     with pytest.raises(OSError, match="the device is gone"):
         writer.join()
@@ -418,11 +418,12 @@ def test_a_writes_two_futures_hold_its_private_copies_and_its_commit():
     """The futures are plain concurrent.futures, as a caller's own code would wait on them."""
     (writer,) = _writers(1)
     writer.start(_request("memory://futures", _values()))
-    write = writer._write
-    done, _ = concurrent.futures.wait([write.copied, write.committed], timeout=30)
-    assert done == {write.copied, write.committed}
-    assert write.copied.result() is None and write.committed.result().manifest["metadata"]["step"] == 1
-    assert writer.join() is write.committed.result()
+    copied, committed = writer.copied, writer.committed
+    done, _ = concurrent.futures.wait([copied, committed], timeout=30)
+    assert done == {copied, committed}
+    assert copied.result() is None and committed.result().manifest["metadata"]["step"] == 1
+    assert writer.join() is committed.result()
+    assert writer.copied is None and writer.committed is None  # joined: no write pending
 
 
 def test_a_rank_lets_go_of_its_private_copies_once_its_share_is_written(tmp_path):

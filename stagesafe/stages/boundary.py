@@ -118,7 +118,7 @@ class StageBoundary:
         self.target = target
         self.writer = writer
         self.options = options
-        self._end = StageEnd(
+        self.end = StageEnd(  # the stage's end: its plan (made at entry), host memory and kept state
             device=options.device, max_shard_size=target.max_shard_size, writers=writer.writers,
             training=options.training, keep_optimizer_state=options.keep_optimizer_state,
             exclude_frozen=options.exclude_frozen, stage=options.stage, check_memory=options.check_host_memory,
@@ -132,7 +132,7 @@ class StageBoundary:
         self.history: ModuleHistory | None = None
         self.resumed: HandoffTarget | None = None  # resume_from, while the module holds the weights it took there
         self.report = BoundaryReport(stage=options.stage, uri=target.uri)
-        self._publisher = HandoffPublisher(module, target, writer, self._end, self.report)
+        self._publisher = HandoffPublisher(module, target, writer, self.end, self.report)
 
     # -- entering -------------------------------------------------------------------------------------------
     @no_collector_passes()
@@ -165,7 +165,7 @@ class StageBoundary:
             self.resumed = resume_from  # no call has changed the weights it took (inference calls, a fit with no step)
         history.note_names(tensors, fresh=built)
         self.history = history
-        self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
+        self.end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
         check_still_there(history, self.target, self.writer, on_meta=on_meta)
         footprint = zero_engine.take_footprint(self.module, fresh=self.options.fresh)
         if on_meta:
@@ -191,12 +191,12 @@ class StageBoundary:
         inference stage, which ends with the weights it started with, has them written once its loop starts
         (:meth:`loop_started`) if no handoff holds them."""
         entry = self._entry
-        self._end.plan_for(self.module, tensors, original=history.original, built=entry.built, kept=set(entry.masters))
+        self.end.plan_for(self.module, tensors, original=history.original, built=entry.built, kept=set(entry.masters))
         if self.options.training:
             if not self.options.meta:
                 values = entry.values
                 assert isinstance(values, dict)
-                self._end.prepare_weights(self.module, values, history, built=entry.built, masters=entry.masters)
+                self.end.prepare_weights(self.module, values, history, built=entry.built, masters=entry.masters)
             return
         if entry.built or history.holds(self.target, tensors):
             return
@@ -224,13 +224,13 @@ class StageBoundary:
             values = {**entry.values, **entry.masters} if entry.masters else entry.values  # a reader stays lazy
             collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, values),
                                   "loading the fp32 master weights")
-        self._end.engine_built(engine, self.module, last_write=self.writer)
+        self.end.engine_built(engine, self.module, last_write=self.writer)
         self.report.enter_seconds += time.perf_counter() - start
 
     def optimizer_stepped(self, engine: Any) -> None:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""
         self._stepped = True
-        self._end.optimizer_stepped(engine)
+        self.end.optimizer_stepped(engine)
 
     def checkpoint_loaded(
         self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
@@ -269,14 +269,14 @@ class StageBoundary:
         history = self._entered()
         failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
         clock("join_last_write")
-        self._end.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
+        self.end.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
         try:
             meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
             keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
                                      background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure,
                                      write=not failed or self._stepped, state=not failed)
         except BaseException:
-            self._end.release_kept_state_hold()  # no copy will come to end the hold
+            self.end.release_kept_state_hold()  # no copy will come to end the hold
             raise
         if keeps_meta and failure.error is None:  # placed by place_meta(), once Lightning's teardown moved the module
             self._meta_values = _meta_tensors(meta_specs, history)
@@ -293,10 +293,10 @@ class StageBoundary:
     ) -> bool:
         """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device. ``state``: the
         optimizer state may be handed off (every rank ended the call well)."""
-        host = self._end.weights_ready()
+        host = self.end.weights_ready()
         clock("host_memory_ready")
         sources = self._weight_sources(engine, history, trained=trained, gather=gather)
-        keep_for = self._end.private_names if background else set()
+        keep_for = self.end.private_names if background else set()
         taken = self._take(sources, engine, history, host, keep_for, weights_from, failure)
         clock("consolidate")
         if taken.gathered is not None:  # of which: waiting for the device's copies (the rest is the host's)
@@ -311,7 +311,7 @@ class StageBoundary:
             history.bind_state(self.target.uri, restored)
         self._remember(kept, history, restored, copied=later is None)
         keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
-        copy_kept = self._end.kept_state_copy(later, history) if later is not None else None
+        copy_kept = self.end.kept_state_copy(later, history) if later is not None else None
         if not write and not keeps_meta:  # the module holds the weights: nothing is lost by writing none
             log.info("stagesafe: the %s call failed before any optimizer step: no handoff written; %s is as it was",
                      self.options.stage, self.target.uri)
@@ -446,11 +446,11 @@ class StageBoundary:
             return None, None
         copies = None
         if later:
-            checkpoint, missing, copies = self._end.keep_engine_state_later(engine)
+            checkpoint, missing, copies = self.end.keep_engine_state_later(engine)
         else:
-            self._end.kept_state_ready()
+            self.end.kept_state_ready()
             clock("kept_host_memory_ready")
-            checkpoint, missing = self._end.keep_engine_state(engine)
+            checkpoint, missing = self.end.keep_engine_state(engine)
         clock("keep_engine_state")
         kept = KeptTraining(
             {}, masters=_masters_in(taken.values or {}, history), checkpoint=checkpoint, missing=missing,
@@ -488,7 +488,7 @@ class StageBoundary:
                 history.kept.drop_views()  # no view outlives the state it looks into
             history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
         if copied:
-            self._end.release_kept_state()
+            self.end.release_kept_state()
 
     def _publish(
         self,
@@ -510,11 +510,11 @@ class StageBoundary:
         forget = (lambda: forget_optimizer_handoff(self.target, state_folder)) if state_folder is not None else None
         if WeightSource.STREAMED in taken.failed:
             history.lost()  # its write failed: the next stage writes the weights the module now holds
-            self._end.unlock()
+            self.end.unlock()
         elif handoff is None or history.holds(self.target, restored):
-            self._end.unlock()
+            self.end.unlock()
         elif not gather:
-            self._end.unlock()
+            self.end.unlock()
             self._publisher.alone(history, handoff)
         else:
             keep = keep if background else None

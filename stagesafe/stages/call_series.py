@@ -2,15 +2,18 @@
 for, :mod:`~stagesafe.stages.ownership`), that folder's writer (made once the ranks agree where the folder is,
 :mod:`~stagesafe.stages.location`), the count of calls, how the last one ended (for the collectives that follow,
 :mod:`~stagesafe.stages.collective_guard`), and the failure of the last write, until a write commits or the user
-acknowledges it. No Lightning here: the strategy passes what it knows of the Trainer."""
+acknowledges it, the boundary of the call under way and the report of the last one's. No Lightning here: the
+strategy passes what it knows of the Trainer."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from stagesafe.boundary_report import BoundaryReport
 
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
@@ -19,6 +22,9 @@ from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.ownership import claim_folder
 from stagesafe.stages.writer import HandoffWriter
+
+if TYPE_CHECKING:
+    from stagesafe.stages.boundary import StageBoundary
 
 __all__ = ["FAILURE_GRACE", "CallSeries"]
 
@@ -46,6 +52,8 @@ class CallSeries:
         self.location: tuple[str, Location] | None = None
         self.guard = CollectiveGuard()  # how the last calls ended, for the collectives that follow
         self._claimed: dict[str, str] = {}  # the folder asked for -> the one this run writes (see ownership)
+        self.boundary: StageBoundary | None = None  # the boundary of the call under way, between setup and teardown
+        self.last_report: BoundaryReport | None = None  # the last call's boundary's (None before the first ended)
 
     def target(
         self, asked: str, *, named: bool, max_shard_size: int | str, on_versioned: Callable[[str, str], None]

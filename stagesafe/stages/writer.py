@@ -187,6 +187,19 @@ class HandoffWriter:
         """The state of the write not yet joined, on this rank; None when there is none."""
         return self._write.state if self._write is not None else None
 
+    @property
+    def copied(self) -> concurrent.futures.Future | None:
+        """The write not yet joined: the future of its private copies off the device (None, or the error making
+        them); None when there is none. Waiting on it joins nothing, as ``async_save``'s staging future."""
+        return self._write.copied if self._write is not None else None
+
+    @property
+    def committed(self) -> concurrent.futures.Future | None:
+        """The write not yet joined: the future of its commit (rank 0's :class:`Commit`; None on the other ranks
+        once rank 0 said it committed), or its failure; None when there is none. Waiting on it joins nothing:
+        the next call's entry, :meth:`join` or the exit still does."""
+        return self._write.committed if self._write is not None else None
+
     # -- starting -----------------------------------------------------------------------------------------
     def start(self, request: WriteRequest) -> None:
         """Start writing ``request`` in the background (every rank calls this, in step). The previous write

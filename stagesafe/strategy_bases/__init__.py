@@ -1,0 +1,11 @@
+"""The bases :class:`~stagesafe.strategy.StageSafeDeepSpeedStrategy` is made of, one concern of Lightning's
+strategy each, every one over :class:`~stagesafe.cpu_strategy.CPUCapableDeepSpeedStrategy` and the strategy's
+:class:`~stagesafe.stages.call_series.CallSeries` (``call_series``, what its Trainer calls share):
+
+- :mod:`~stagesafe.strategy_bases.checkpoint_hooks`: ``trainer.save_checkpoint`` during a stage and between calls,
+  a ``ckpt_path`` loaded, the engine a callback asks for;
+- :mod:`~stagesafe.strategy_bases.guarded_collectives`: Lightning's collectives, each inside the guard of
+  :mod:`~stagesafe.stages.collective_guard`;
+- :mod:`~stagesafe.strategy_bases.handoff_waits`: the handoff's write as the user sees it (``wait_for_handoff``,
+  ``acknowledge_handoff_failure``, ``last_boundary``) and the Trainer's last hook of a call.
+"""
