@@ -13,7 +13,7 @@ from typing import Any
 
 from stagesafe.errors import CheckpointFormatError
 from stagesafe.handoff.cleanup import live_files
-from stagesafe.publishing.protocol import write_and_replace
+from stagesafe.publishing.commit import write_and_replace
 from stagesafe.storage.fs import join
 from stagesafe.handoff.optimizer_state import FormGroup, form_metadata, state_name
 from stagesafe.handoff.plan import plan_specs

@@ -30,7 +30,7 @@ from stagesafe.handoff.sizes import parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.history import HandoffTarget
 from stagesafe.storage.folder import Folder
-from stagesafe.storage.fs import join, list_files, resolve
+from stagesafe.storage.fs import join, resolve
 from stagesafe.zero.engine.optimizer_out import EngineOptimizer, StateGather, describe_optimizer
 
 __all__ = ["STAGING", "write_optimizer_handoff", "forget_optimizer_handoff"]
@@ -78,7 +78,7 @@ class _Writing:
         self.folder = self.state_root = ""
         try:  # a failure here too waits for the gathers to run out: the other ranks are in them
             self.fs, self.root = resolve(target.uri, dict(target.storage_options or {}))
-            self.folder = new_folder(set(list_files(self.fs, self.root, kind="directory")))
+            self.folder = new_folder(self.fs, self.root)
             self.state_root = join(self.root, self.folder)
         except BaseException as exc:  # noqa: BLE001 - raised at the commit
             self.error = exc
