@@ -145,8 +145,8 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
             # so that no rank fails alone while the others wait for it; before it, a rank that fails ends the job
             # through its launcher.
             check_local_handoff("resume_from", self.resume_from, self.storage_options)
-        parse_size(max_shard_size)
-        self.max_shard_size = max_shard_size
+        self.max_shard_size = max_shard_size  # as given (LightningCLI reads it back); the stages get the bytes
+        self._shard_bytes = parse_size(max_shard_size)
         config_known = isinstance(self.config, dict)  # a config file is read later
         if config_known and isinstance(self.config.get("zero_optimization"), dict):
             stage = self.config["zero_optimization"].get("stage", 0)
@@ -229,6 +229,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
             trainer.state.fn.value,
             meta=meta,
             materialize=self._partition_from_handoff if meta else None,
+            max_shard_size=self._shard_bytes,
             training=trains,
             device=self.root_device,
             fresh=frozenset(self._fresh),
@@ -255,8 +256,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         asked = self.handoff_uri
         if asked is None:
             asked = str(trainer.default_root_dir).rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
-        return self.call_series.target(asked, named=self.handoff_uri is not None, max_shard_size=self.max_shard_size,
-                                   on_versioned=say_versioned)
+        return self.call_series.target(asked, named=self.handoff_uri is not None, on_versioned=say_versioned)
 
     def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """The stage and step that a stage's new weights come from, for the handoff's metadata."""

@@ -57,7 +57,7 @@ def test_the_replaced_handoff_can_be_removed_after_the_commit(url):
     assert done.replaced == first
     assert files(url) == first | second | {INDEX, MANIFEST}  # committed; the old shards are still there
     assert_bitwise_equal(load_state_dict(url), sd2)
-    remove_replaced(fs, root, done)  # all three at once
+    remove_replaced(done)  # all three at once
     assert files(url) == second | {INDEX, MANIFEST}
     verify(url)
 

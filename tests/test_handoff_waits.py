@@ -23,7 +23,7 @@ class _Strategy(HandoffWaits):
         super().__init__()
         self.wait_for_write = wait_for_write
         self.call_series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
-        target = self.call_series.target(str(root / "handoff"), named=True, max_shard_size="1MB", on_versioned=print)
+        target = self.call_series.target(str(root / "handoff"), named=True, on_versioned=print)
         self.writer = self.call_series.writer_for(target, None, world_size=1, meta=False, timeout=30.0, on_commit=print)
         self.call_series.last_report = BoundaryReport(stage="fit", uri=target.uri, wrote=True)
 

@@ -19,7 +19,9 @@ from _tensors import Unwritable
 
 import stagesafe
 from stagesafe.errors import DistributedStageError, StorageTransferError
-from stagesafe.stages.writer import HandoffWriter, WriteRequest, WriteState, _Write
+from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
+from stagesafe.stages.writer import HandoffWriter, WriteRequest, WriteState
 
 pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +37,10 @@ def _writers(world: int, *, writers: int | None = None, timeout: float = 30.0) -
 
 
 def _request(uri: str, values: dict, **kwargs) -> WriteRequest:
-    return WriteRequest(values=values, uri=uri, storage_options=None, max_shard_size=3000, metadata={"step": 1},
-                        **kwargs)
+    """As a stage's end asks: the plan made before, of names, dtypes and shapes (it holds no tensor)."""
+    planned = plan_handoff(values, max_shard_size=3000)
+    plan = plan_specs(planned.tensors, planned.aliases, max_shard_size=3000)
+    return WriteRequest(values=values, plan=plan, uri=uri, storage_options=None, metadata={"step": 1}, **kwargs)
 
 
 def _bitwise(a: dict, b: dict) -> bool:
@@ -198,6 +202,7 @@ def test_a_lone_write_that_fails_is_logged_on_every_rank_and_not_raised(tmp_path
 _EXIT_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from stagesafe.stages.channel import JobChannel
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, mode = sys.argv[1], sys.argv[2]
 values = {"w": torch.arange(12.0).reshape(3, 4)}
@@ -208,7 +213,7 @@ if mode == "fail":
 def slow():
     import time; time.sleep(1.0)  # still running when the script's last line has run
 writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=1, prefix="x", timeout=60), writers=1, timeout=60)
-writer.start(WriteRequest(values=values, uri=uri, storage_options=None, max_shard_size="1GB", metadata={}, fill=slow))
+writer.start(WriteRequest(values=values, plan=plan_handoff(values), uri=uri, storage_options=None, metadata={}, fill=slow))
 print("script ends", flush=True)
 """
 
@@ -335,11 +340,11 @@ def _until(condition, limit: float = 30.0) -> None:
 def _transitions(resolve_copied, resolve_committed) -> set[tuple[str, str]]:
     """The state changes a write goes through when its futures resolve as the writer resolves them:
     ``copied`` first, then ``committed``."""
-    write = _Write(_request("memory://unused", {}), None, writes_here=True, writers=1)
-    seen = [write.state]
-    for resolve, future in ((resolve_copied, write.copied), (resolve_committed, write.committed)):
+    copied, committed = concurrent.futures.Future(), concurrent.futures.Future()
+    seen = [WriteState.of(copied, committed)]
+    for resolve, future in ((resolve_copied, copied), (resolve_committed, committed)):
         resolve(future)
-        seen.append(write.state)
+        seen.append(WriteState.of(copied, committed))
     return {(a.value, b.value) for a, b in zip(seen, seen[1:]) if a is not b}
 
 

@@ -24,7 +24,7 @@ import logging
 import platform
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Protocol
 
@@ -60,11 +60,13 @@ _INDEX_ROUNDS = 5  # looks at the index after a commit; each more is needed only
 @dataclass(frozen=True)
 class Commit:
     """A committed handoff: its manifest, and the shard files of the handoff it replaced (now unused), and the
-    optimizer state folder that handoff named and this one does not (:mod:`.optimizer_state`)."""
+    optimizer state folder that handoff named and this one does not (:mod:`.optimizer_state`); ``folder``:
+    where it was committed, for :func:`remove_replaced`."""
 
     manifest: dict[str, Any]
     replaced: frozenset[str]
     replaced_state: str | None = None
+    folder: Folder | None = field(default=None, compare=False, repr=False)
 
 
 class RecordExchange(Protocol):
@@ -179,7 +181,7 @@ def write_and_replace(
         if bar is not None:
             bar.close()
     assert done is not None  # no exchange: this process commits
-    remove_replaced(fs, root, done)
+    remove_replaced(done)
     return done.manifest
 
 
@@ -195,7 +197,7 @@ def commit(
     """
     done = commit_handoff(fs, root, plan, shard_records, **options)
     if remove_stale_files:
-        remove_replaced(fs, root, done)
+        remove_replaced(done)
     return done.manifest
 
 
@@ -243,20 +245,20 @@ def commit_handoff(
         )
     state = bound_folder(before) if before is not None else None
     return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])),
-                  replaced_state=state if state != bound_folder(manifest) else None)
+                  replaced_state=state if state != bound_folder(manifest) else None, folder=Folder(fs, root))
 
 
-def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> None:
-    """After a commit: delete the shards of the handoff it replaced (and the optimizer state it named, which this
-    one does not), and the files killed or failed writers
-    left behind once they are older than :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones
-    may belong to another writer's commit in progress). Best effort: a failure is logged, never raised, since
-    the handoff is committed."""
-    folder = Folder(fs, root)
+def remove_replaced(done: Commit) -> None:
+    """After a commit, in its folder: delete the shards of the handoff it replaced (and the optimizer state it
+    named, which this one does not), and the files killed or failed writers left behind once they are older than
+    :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones may belong to another writer's commit in
+    progress). Best effort: a failure is logged, never raised, since the handoff is committed."""
+    folder = done.folder
+    assert folder is not None, "a Commit made by commit_handoff knows its folder"
     try:
         folder.remove(done.replaced)
         if done.replaced_state is not None:
-            remove_state(fs, root, done.replaced_state)
+            remove_state(folder.fs, folder.root, done.replaced_state)
         remove_orphans(folder)
     except Exception as exc:  # noqa: BLE001 - any storage client's error
         log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", folder.url, exc)

@@ -29,6 +29,7 @@ from torch import nn
 from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import InvalidArgumentError
 from stagesafe.handoff.read import HandoffReader
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.between_calls import follow_parameters
 from stagesafe.stages.engine_weights import take_from_engine
@@ -73,7 +74,7 @@ class StageOptions:
     frozen parameters, as ``save_checkpoint`` would). ``check_host_memory``: a training stage asks the host
     for its end's memory before its first step (:mod:`~stagesafe.stages.host_budget`).
     ``handoff_optimizer_state``: a training stage's end writes the optimizer state beside the weights, per
-    parameter (:mod:`~stagesafe.stages.optimizer_handoff`).
+    parameter (:mod:`~stagesafe.stages.optimizer_handoff`). ``max_shard_size``: the largest shard, in bytes.
     """
 
     stage: str
@@ -86,6 +87,7 @@ class StageOptions:
     exclude_frozen: bool = False
     check_host_memory: bool = True
     handoff_optimizer_state: bool = False
+    max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)
 
 
 @dataclass
@@ -119,7 +121,7 @@ class StageBoundary:
         self.writer = writer
         self.options = options
         self.end = StageEnd(  # the stage's end: its plan (made at entry), host memory and kept state
-            device=options.device, max_shard_size=target.max_shard_size, writers=writer.writers,
+            device=options.device, max_shard_size=options.max_shard_size, writers=writer.writers,
             training=options.training, keep_optimizer_state=options.keep_optimizer_state,
             exclude_frozen=options.exclude_frozen, stage=options.stage, check_memory=options.check_host_memory,
             module_holds_weights=not options.meta,
@@ -426,8 +428,8 @@ class StageBoundary:
             return None
         source = {"written_by": "StageSafeDeepSpeedStrategy", "url": self.target.uri,
                   **{k: history.weights_from[k] for k in _SOURCE_KEYS if k in history.weights_from}}
-        bound = failure.attempt(lambda: write_optimizer_handoff(engine, self.target, source=source,
-                                                                phases=self.report.phases))
+        limit, phases = self.end.max_shard_size, self.report.phases
+        bound = failure.attempt(lambda: write_optimizer_handoff(engine, self.target, limit, source=source, phases=phases))
         if bound is None:
             return None
         history.weights_from["optimizer"] = bound

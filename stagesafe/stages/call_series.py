@@ -55,20 +55,16 @@ class CallSeries:
         self.boundary: StageBoundary | None = None  # the boundary of the call under way, between setup and teardown
         self.last_report: BoundaryReport | None = None  # the last call's boundary's (None before the first ended)
 
-    def target(
-        self, asked: str, *, named: bool, max_shard_size: int | str, on_versioned: Callable[[str, str], None]
-    ) -> HandoffTarget:
-        """The folder this run writes for ``asked``, its shards at most ``max_shard_size``: claimed at its first
-        call, every rank together (``named``: the user named it; ``on_versioned(asked, taken)``: a default folder
-        gave way to a versioned one)."""
+    def target(self, asked: str, *, named: bool, on_versioned: Callable[[str, str], None]) -> HandoffTarget:
+        """The folder this run writes for ``asked``: claimed at its first call, every rank together (``named``: the
+        user named it; ``on_versioned(asked, taken)``: a default folder gave way to a versioned one)."""
         if asked not in self._claimed:
             uri = claim_folder(asked, self.storage_options, named=named, resume_from=self.resume_from,
                                overwrite=self.overwrite)
             if uri != asked:
                 on_versioned(asked, uri)
             self._claimed[asked] = uri
-        return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options,
-                             max_shard_size=max_shard_size)
+        return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options)
 
     def writer_for(
         self,

@@ -87,7 +87,6 @@ class HandoffPublisher:
             plan=plan,
             uri=self._target.uri,
             storage_options=self._target.storage_options,
-            max_shard_size=self._end.max_shard_size,
             metadata=handoff_metadata(history, self._target.uri, tensors),
             fill=fill,
             unlock=self._end.after_call,
@@ -106,7 +105,7 @@ class HandoffPublisher:
         history.lost()
         target, metadata = self._target, handoff_metadata(history)
         self._writer.write_alone(
-            lambda: save_state_dict(values, target.uri, max_shard_size=target.max_shard_size, overwrite=True,
+            lambda: save_state_dict(values, target.uri, max_shard_size=self._end.max_shard_size, overwrite=True,
                                     metadata=metadata, storage_options=target.storage_options),
             target.uri,
         )
@@ -116,7 +115,7 @@ class HandoffPublisher:
         joins each gather), so host memory stays near one tensor; ``entry``: the weights the stage started
         with, which unchanged 16-bit values are given back as."""
         values = StreamedValues(self._module, history.original, entry)
-        target = self._target
+        target, limit = self._target, self._end.max_shard_size
 
         def write() -> None:
             if collectives.rank() != 0:
@@ -124,7 +123,7 @@ class HandoffPublisher:
                 return
             try:
                 save_streamed(
-                    values.specs, values.aliases, values, target.uri, max_shard_size=target.max_shard_size,
+                    values.specs, values.aliases, values, target.uri, max_shard_size=limit,
                     metadata=metadata, storage_options=target.storage_options,
                 )
             finally:

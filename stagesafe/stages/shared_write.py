@@ -22,7 +22,6 @@ from stagesafe.handoff.names import tag_for
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
 from stagesafe.publishing.commit import Commit, write_and_commit
 from stagesafe.handoff.shards import ShardRecord
-from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.channel import JobChannel, Outcome, failures
 from stagesafe.storage.fs import resolve
 
@@ -50,22 +49,19 @@ def names_written_by(plan: HandoffPlan, *, rank: int, writers: int) -> set[str]:
 
 def write_share(
     values: Mapping[str, torch.Tensor],
+    plan: HandoffPlan,
     uri: str,
     storage_options: Mapping[str, Any] | None,
     *,
-    max_shard_size: int | str,
     channel: JobChannel,
     writers: int,
     metadata: Mapping[str, Any],
-    plan: HandoffPlan | None = None,
 ) -> Commit | None:
-    """This rank's shards (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose :class:`Commit` it
-    returns. ``plan``: the handoff's plan, made before (``values`` then need hold only this rank's names); by
-    default it is made from ``values``. ``channel`` holds this write's keys (their prefix tags the shard names)."""
+    """This rank's shards of ``plan`` (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose
+    :class:`Commit` it returns. ``values`` hold at least this rank's names. ``channel`` holds this write's keys
+    (their prefix tags the shard names)."""
     fs, root = resolve(uri, dict(storage_options or {}))
     metadata = check_metadata(metadata)
-    if plan is None:
-        plan = plan_handoff(values, max_shard_size=max_shard_size)
     plan = plan.tagged(tag_for(channel.prefix), state_dict=values)
     mine = [file for file, owner in owners(plan, writers).items() if owner == channel.rank]
     _check_values(plan, mine)

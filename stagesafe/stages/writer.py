@@ -39,12 +39,9 @@ from typing import Any
 import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
-from stagesafe.storage.fs import resolve
-from stagesafe.handoff.names import is_commit_of
 from stagesafe.handoff.plan import HandoffPlan
-from stagesafe.storage.retry import RetryPolicy
 from stagesafe.publishing.commit import Commit, remove_replaced
-from stagesafe.handoff.read import read_manifest
+from stagesafe.handoff.read import is_live_commit
 from stagesafe.stages.channel import JobChannel, Outcome, quoted
 from stagesafe.stages.shared_write import write_share
 
@@ -58,23 +55,22 @@ _EXIT_ACK_WAIT = 60.0  # seconds rank 0 stays at exit for the others to read the
 @dataclass
 class WriteRequest:
     """One handoff to write: ``values`` (those of the shards this rank writes, private copies of them in the
-    background), ``plan`` (the handoff's plan, made when the stage started; None: planned from ``values``,
-    which then hold every name), where, and hooks for the device work: ``fill`` completes the private copies
-    in ``values``; ``unlock`` unlocks page-locked host memory once the Trainer call has returned (before that it
-    would stall the call's own CUDA calls); ``on_failed`` runs on every rank once the write is known to have
-    failed. This rank lets go of ``values`` once its share is written."""
+    background), ``plan`` (the handoff's plan, made when the stage started), where, and hooks for the device
+    work: ``fill`` completes the private copies in ``values``; ``unlock`` unlocks page-locked host memory once
+    the Trainer call has returned (before that it would stall the call's own CUDA calls); ``on_failed`` runs on
+    every rank once the write is known to have failed. This rank lets go of ``values`` once its share is
+    written."""
 
     values: Mapping[str, torch.Tensor]
+    plan: HandoffPlan
     uri: str
     storage_options: Mapping[str, Any] | None
-    max_shard_size: int | str
     metadata: Mapping[str, Any]
     fill: Callable[[], None] | None = None
     unlock: Callable[[], None] | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the boundary's report
     on_failed: Callable[[], None] | None = None  # called on every rank when the write is known to have failed
     keep: Callable[[], None] | None = None  # more device work once the private copies are made: the kept state's
-    plan: HandoffPlan | None = None
 
 
 class WriteState(str, enum.Enum):
@@ -90,14 +86,14 @@ class WriteState(str, enum.Enum):
         """Nothing more will happen to the write: it is committed or failed."""
         return self in (WriteState.COMMITTED, WriteState.FAILED)
 
-
-def _state_of(copied: concurrent.futures.Future, committed: concurrent.futures.Future) -> WriteState:
-    """The state two futures say (``copied`` resolves first, ``committed`` after it; each once)."""
-    if any(f.done() and f.exception() is not None for f in (copied, committed)):
-        return WriteState.FAILED
-    if committed.done():
-        return WriteState.COMMITTED
-    return WriteState.WRITING if copied.done() else WriteState.COPYING
+    @classmethod
+    def of(cls, copied: concurrent.futures.Future, committed: concurrent.futures.Future) -> WriteState:
+        """The state a write's two futures say (``copied`` resolves first, ``committed`` after it; each once)."""
+        if any(f.done() and f.exception() is not None for f in (copied, committed)):
+            return cls.FAILED
+        if committed.done():
+            return cls.COMMITTED
+        return cls.WRITING if copied.done() else cls.COPYING
 
 
 class _Step(concurrent.futures.Future):
@@ -135,7 +131,7 @@ class _Write:
     def state(self) -> WriteState:
         """Read from the futures, never set apart from them. Committed is rank 0's word: another rank's write
         is writing until it has read that word."""
-        return _state_of(self.copied, self.committed)
+        return WriteState.of(self.copied, self.committed)
 
 
 class HandoffWriter:
@@ -256,13 +252,12 @@ class HandoffWriter:
             if write.writes_here:
                 commit = write_share(
                     request.values,
+                    request.plan,
                     request.uri,
                     request.storage_options,
-                    max_shard_size=request.max_shard_size,
                     channel=write.channel,
                     writers=write.writers,
                     metadata=request.metadata,
-                    plan=request.plan,
                 )
         except BaseException as exc:  # noqa: BLE001 - a thread reports what ended it, an interrupt too
             error = exc  # the joiners raise it
@@ -311,7 +306,7 @@ class HandoffWriter:
                 log.warning("stagesafe: could not report the commit of %s (%s)", request.uri, exc)
         removing = time.perf_counter()
         try:
-            remove_replaced(*resolve(request.uri, dict(request.storage_options or {})), commit)
+            remove_replaced(commit)
         except Exception as exc:  # noqa: BLE001 - committed: leftovers go with a later save
             log.warning("stagesafe: could not delete the replaced handoff's files (%s)", exc)
         request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
@@ -507,17 +502,17 @@ class _WriteThread(threading.Thread):
 
 
 def _committed_or_not(write: _Write | None) -> str:
-    """What is true of an interrupted write, from the manifest there now: a commit may have landed just before."""
+    """What is true of an interrupted write, asked of the handoff there now: a commit may have landed just before."""
     if write is None:
         return "whether it was committed is unknown: run stagesafe verify on it"
     try:
         options = dict(write.request.storage_options or {})
-        manifest = read_manifest(write.uri, storage_options=options, retry=RetryPolicy(attempts=1))
+        live = is_live_commit(write.uri, write.channel.prefix, storage_options=options)
     except HandoffNotFoundError:
         return "it was not committed: the folder holds no handoff"
     except Exception as exc:  # noqa: BLE001 - unreadable: said as such
         return f"whether it was committed could not be read ({describe(exc)}): run stagesafe verify on it"
-    if is_commit_of(manifest["shards"], write.channel.prefix):
+    if live:
         return "it was committed before the interrupt: the handoff holds this write's weights"
     return "it was not committed: the handoff there holds an earlier write's weights, unchanged"
 
