@@ -257,7 +257,7 @@ def one_rank(tmp_path_factory):
     """A gloo process group of one rank, DeepSpeed on the CPU; both undone afterwards."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
-    from stagesafe.cpu_strategy import use_deepspeed_cpu_accelerator
+    from stagesafe.strategy_bases.cpu_strategy import use_deepspeed_cpu_accelerator
 
     before = get_accelerator()
     use_deepspeed_cpu_accelerator()

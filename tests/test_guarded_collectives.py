@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.errors import DistributedStageError
 from stagesafe.stages.call_series import CallSeries
 from stagesafe.stages.channel import Ending

@@ -15,7 +15,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.errors import EngineReleasedError
 from stagesafe.stages.between_calls_checkpoint import save_between_calls
 from stagesafe.stages.call_series import CallSeries

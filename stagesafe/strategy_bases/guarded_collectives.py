@@ -10,7 +10,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.stages.call_series import CallSeries
 
 __all__ = ["GuardedCollectives"]

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from stagesafe.boundary_report import BoundaryReport
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.errors import HandoffNotReadyError, describe
 from stagesafe.stages.call_series import CallSeries
 from stagesafe.trainer_messages import boundary_line

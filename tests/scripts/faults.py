@@ -76,7 +76,7 @@ def record(stage: str, module, call, *, handoff: str | None = None) -> None:
 def trainer(root: str, handoff: str, **kwargs) -> pl.Trainer:
     max_steps = kwargs.pop("max_steps", 4)
     if os.environ.get("FAULT_STRATEGY") == "stock":  # the control: Lightning's strategy, CPU refusal lifted
-        from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+        from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 
         strategy = CPUCapableDeepSpeedStrategy(stage=3, timeout=TIMEOUT)
     else:

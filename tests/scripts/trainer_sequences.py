@@ -41,7 +41,7 @@ from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 
 import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 from stagesafe.stages.history import history_of  # noqa: E402
 
 
