@@ -103,9 +103,10 @@ from stagesafe.stages.channel import JobChannel
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, where = sys.argv[1], sys.argv[2]
-writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600), writers=2, timeout=600)
+channel = JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600)
+writer = HandoffWriter(channel, uri, writers=2, timeout=600)
 values = {"w": torch.ones(3)}
-writer.start(WriteRequest(values=values, plan=plan_handoff(values), uri=uri, storage_options=None, metadata={}))
+writer.start(WriteRequest(values=values, plan=plan_handoff(values), metadata={}))
 print("waiting for rank 1, which never writes", flush=True)
 if where == "join":
     writer.join()
@@ -139,9 +140,9 @@ from stagesafe.stages.channel import JobChannel
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 channel = JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600)
-writer = HandoffWriter(channel, writers=1, timeout=600)  # rank 0 writes it all; rank 1 never says it has left
+writer = HandoffWriter(channel, sys.argv[1], writers=1, timeout=600)  # rank 0 writes it all; rank 1 never leaves
 values = {"w": torch.ones(3)}
-writer.start(WriteRequest(values=values, plan=plan_handoff(values), uri=sys.argv[1], storage_options=None, metadata={}))
+writer.start(WriteRequest(values=values, plan=plan_handoff(values), metadata={}))
 print("started", flush=True)
 """
 

@@ -24,9 +24,9 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
 
 
-def _writer() -> HandoffWriter:
+def _writer(uri: str = "memory://unused") -> HandoffWriter:
     channel = JobChannel(dist.HashStore(), rank=0, world=1, prefix="entry", timeout=30.0)
-    return HandoffWriter(channel, writers=1, timeout=30.0)
+    return HandoffWriter(channel, uri, writers=1, timeout=30.0)
 
 
 def _written(module: nn.Module, uri: str) -> HandoffTarget:

@@ -92,7 +92,8 @@ class CallSeries:
             )
         self.location = (target.uri, location)
         channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
-        self.writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=on_commit)
+        self.writer = HandoffWriter(channel, target.uri, storage_options=target.storage_options,
+                                    writers=location.writers, timeout=timeout, on_commit=on_commit)
         return self.writer
 
     def writers(self, module: nn.Module | None) -> list[HandoffWriter]:

@@ -52,6 +52,7 @@ class HandoffPublisher:
     def __init__(
         self, module: nn.Module, target: HandoffTarget, writer: HandoffWriter, end: StageEnd, report: BoundaryReport
     ) -> None:
+        assert writer.uri == target.uri, "the boundary's writer is the writer of its handoff's folder"
         self._module = module
         self._target = target
         self._writer = writer
@@ -85,8 +86,6 @@ class HandoffPublisher:
         request = WriteRequest(
             values=private,
             plan=plan,
-            uri=self._target.uri,
-            storage_options=self._target.storage_options,
             metadata=handoff_metadata(history, self._target.uri, tensors),
             fill=fill,
             unlock=self._end.after_call,
@@ -107,7 +106,6 @@ class HandoffPublisher:
         self._writer.write_alone(
             lambda: save_state_dict(values, target.uri, max_shard_size=self._end.max_shard_size, overwrite=True,
                                     metadata=metadata, storage_options=target.storage_options),
-            target.uri,
         )
 
     def streamed(self, history: ModuleHistory, entry: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:

@@ -54,17 +54,15 @@ _EXIT_ACK_WAIT = 60.0  # seconds rank 0 stays at exit for the others to read the
 
 @dataclass
 class WriteRequest:
-    """One handoff to write: ``values`` (those of the shards this rank writes, private copies of them in the
-    background), ``plan`` (the handoff's plan, made when the stage started), where, and hooks for the device
-    work: ``fill`` completes the private copies in ``values``; ``unlock`` unlocks page-locked host memory once
-    the Trainer call has returned (before that it would stall the call's own CUDA calls); ``on_failed`` runs on
-    every rank once the write is known to have failed. This rank lets go of ``values`` once its share is
-    written."""
+    """One handoff to write, into the writer's folder: ``values`` (those of the shards this rank writes, private
+    copies of them in the background), ``plan`` (the handoff's plan, made when the stage started), and hooks for
+    the device work: ``fill`` completes the private copies in ``values``; ``unlock`` unlocks page-locked host
+    memory once the Trainer call has returned (before that it would stall the call's own CUDA calls);
+    ``on_failed`` runs on every rank once the write is known to have failed. This rank lets go of ``values``
+    once its share is written."""
 
     values: Mapping[str, torch.Tensor]
     plan: HandoffPlan
-    uri: str
-    storage_options: Mapping[str, Any] | None
     metadata: Mapping[str, Any]
     fill: Callable[[], None] | None = None
     unlock: Callable[[], None] | None = None
@@ -112,8 +110,11 @@ class _Step(concurrent.futures.Future):
 class _Write:
     """One write on this rank: its two futures (its state), its threads, and the call's return (an input)."""
 
-    def __init__(self, request: WriteRequest, channel: JobChannel, *, writes_here: bool, writers: int) -> None:
+    def __init__(
+        self, request: WriteRequest, writer: HandoffWriter, channel: JobChannel, *, writes_here: bool, writers: int
+    ) -> None:
         self.request = request
+        self.uri, self.storage_options = writer.uri, writer.storage_options  # the writer's folder
         self.channel = channel
         self.writes_here = writes_here
         self.writers = writers
@@ -124,10 +125,6 @@ class _Write:
         self.threads: list[_WriteThread] = []  # the device work's, then the writing's
 
     @property
-    def uri(self) -> str:
-        return self.request.uri
-
-    @property
     def state(self) -> WriteState:
         """Read from the futures, never set apart from them. Committed is rank 0's word: another rank's write
         is writing until it has read that word."""
@@ -135,7 +132,8 @@ class _Write:
 
 
 class HandoffWriter:
-    """Writes a strategy's handoffs in the background, one at a time, and joins them on every rank.
+    """Writes the handoffs of one folder, ``uri`` (fsspec's ``storage_options`` for it), in the background, one at
+    a time, and joins them on every rank.
 
     ``writers``: how many ranks write shares (every rank when all see the handoff folder, else only rank 0).
     ``timeout``: seconds any wait for another rank, or for this rank's own threads, may last. ``on_commit``:
@@ -145,12 +143,15 @@ class HandoffWriter:
     def __init__(
         self,
         channel: JobChannel,
+        uri: str,
         *,
+        storage_options: Mapping[str, Any] | None = None,
         writers: int,
         timeout: float,
         on_commit: Callable[[str, Commit, float], None] | None = None,
     ) -> None:
         self._channel = channel
+        self.uri, self.storage_options = uri, storage_options
         self._on_commit = on_commit  # rank 0, in the writer's thread: (uri, commit, seconds) once committed
         self.writers = writers
         self.timeout = timeout
@@ -204,11 +205,11 @@ class HandoffWriter:
             raise RuntimeError("stagesafe: a handoff write was started before the previous one was joined")
         self._count += 1
         channel = self._channel.sub(f"write-{self._count}")
-        write = _Write(request, channel, writes_here=self.rank < self.writers, writers=self.writers)
+        write = _Write(request, self, channel, writes_here=self.rank < self.writers, writers=self.writers)
         self._write = write
         self._register_exit_hook()
-        _WriteThread(f"stagesafe-handoff-device {request.uri}", self._copy, write, self).start()
-        _WriteThread(f"stagesafe-handoff-write {request.uri}", self._write_and_settle, write, self).start()
+        _WriteThread(f"stagesafe-handoff-device {write.uri}", self._copy, write, self).start()
+        _WriteThread(f"stagesafe-handoff-write {write.uri}", self._write_and_settle, write, self).start()
 
     def _copy(self, write: _Write) -> None:
         """The device thread: the private copies off the device (resolves ``copied``), then, once the call has
@@ -253,8 +254,8 @@ class HandoffWriter:
                 commit = write_share(
                     request.values,
                     request.plan,
-                    request.uri,
-                    request.storage_options,
+                    write.uri,
+                    write.storage_options,
                     channel=write.channel,
                     writers=write.writers,
                     metadata=request.metadata,
@@ -301,9 +302,9 @@ class HandoffWriter:
         request = write.request
         if self._on_commit is not None:
             try:
-                self._on_commit(request.uri, commit, time.perf_counter() - start)
+                self._on_commit(write.uri, commit, time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001 - only a message is at stake
-                log.warning("stagesafe: could not report the commit of %s (%s)", request.uri, exc)
+                log.warning("stagesafe: could not report the commit of %s (%s)", write.uri, exc)
         removing = time.perf_counter()
         try:
             remove_replaced(commit)
@@ -311,7 +312,7 @@ class HandoffWriter:
             log.warning("stagesafe: could not delete the replaced handoff's files (%s)", exc)
         request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
 
-    def write_alone(self, write: Callable[[], None], uri: str) -> None:
+    def write_alone(self, write: Callable[[], None]) -> None:
         """After a Trainer call that failed on some rank, when no rank may wait for another inside the call
         (every rank calls this, in step, as it calls :meth:`start`): rank 0 writes the handoff now, alone, and
         posts how it went; a failure is logged (the stage's own error is the one raised). The other ranks only
@@ -319,7 +320,7 @@ class HandoffWriter:
         sees the committed handoff. The exit does not wait: a rank that failed must not stay for one still
         stuck in a collective."""
         self._count += 1
-        channel = self._channel.sub(f"write-{self._count}")
+        channel, uri = self._channel.sub(f"write-{self._count}"), self.uri
         if self.rank != 0:
             self._alone = (channel, uri)
             return
@@ -506,7 +507,7 @@ def _committed_or_not(write: _Write | None) -> str:
     if write is None:
         return "whether it was committed is unknown: run stagesafe verify on it"
     try:
-        options = dict(write.request.storage_options or {})
+        options = dict(write.storage_options or {})
         live = is_live_commit(write.uri, write.channel.prefix, storage_options=options)
     except HandoffNotFoundError:
         return "it was not committed: the folder holds no handoff"
