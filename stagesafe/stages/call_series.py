@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
 from stagesafe.boundary_report import BoundaryReport
-
 from stagesafe.errors import InvalidArgumentError
+from stagesafe.stages.boundary import StageBoundary
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.collective_guard import CollectiveGuard
 from stagesafe.stages.history import HandoffTarget, history_of
 from stagesafe.stages.location import Location, agree_on_location
 from stagesafe.stages.ownership import claim_folder
 from stagesafe.stages.writer import HandoffWriter
-
-if TYPE_CHECKING:
-    from stagesafe.stages.boundary import StageBoundary
 
 __all__ = ["FAILURE_GRACE", "CallSeries"]
 
