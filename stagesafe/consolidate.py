@@ -98,8 +98,7 @@ def consolidate(
     """
     out_dtype = _parse_dtype(dtype)
     limit = parse_size(max_shard_size)
-    overwrite = checked_flag("overwrite", overwrite)
-    optimizer = checked_flag("optimizer", optimizer)
+    overwrite, optimizer = checked_flag("overwrite", overwrite), checked_flag("optimizer", optimizer)
     if optimizer:
         refuse_other_dtype(out_dtype)
     progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
@@ -118,12 +117,12 @@ def consolidate(
                                           progress=progress, source=_source(ckpt))
             metadata["optimizer"] = binding(folder, state)
         try:  # the commit deletes the state the replaced weights named
-            plan = _plan(ckpt, out_dtype, limit, taken=taken)
-            return write_and_replace(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress,
-                                     metadata=metadata, workers=workers, remove_root=created, empty_before=not taken)
+            return write_and_replace(fs, root, _plan(ckpt, out_dtype, limit, taken=taken), progress=progress,
+                                     what=f"consolidating {ckpt.tag}", metadata=metadata, workers=workers,
+                                     remove_root=created, empty_before=not taken)
         except BaseException:
-            if folder is not None:
-                with contextlib.suppress(Exception):  # best effort: the first error is the one to see
+            if folder is not None:  # best effort: the first error is the one to see
+                with contextlib.suppress(Exception):
                     forget_unbound(fs, root, folder, remove_root=created)
             raise
 
