@@ -26,7 +26,7 @@ from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
-from stagesafe.handoff.optimizer_state import binding, forget_unbound, new_folder, refuse_other_dtype
+from stagesafe.handoff.optimizer_state import refuse_other_dtype
 from stagesafe.publishing.commit import write_and_replace
 from stagesafe.handoff.read import read_manifest
 from stagesafe.handoff.shards import Pieces
@@ -37,7 +37,7 @@ from stagesafe.errors import (
     InvalidArgumentError,
 )
 from stagesafe.flags import checked_flag, checked_optional_flag
-from stagesafe.consolidate_optimizer import write_optimizer_state
+from stagesafe.consolidate_optimizer import optimizer_state_beside
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
 
@@ -110,21 +110,15 @@ def consolidate(
         created = _check_destination(fs, root)
         taken = files_in_the_way(fs, root, overwrite=overwrite)  # the committed weights' files, if overwritten
         metadata = _metadata(ckpt, out_dtype, exclude_frozen)
-        folder = None
-        if optimizer:  # first, in a folder of its own: the weights' manifest, the commit of both, names it
-            folder = new_folder(fs, root)
-            state = write_optimizer_state(ckpt, fs, root, folder, max_shard_size=limit, workers=workers,
-                                          progress=progress, source=_source(ckpt))
-            metadata["optimizer"] = binding(folder, state)
-        try:  # the commit deletes the state the replaced weights named
+        with contextlib.ExitStack() as state:
+            if optimizer:  # first, in a folder of its own: the weights' manifest, the commit of both, names it
+                metadata["optimizer"] = state.enter_context(optimizer_state_beside(
+                    ckpt, fs, root, max_shard_size=limit, workers=workers, progress=progress, source=_source(ckpt),
+                    created=created))
+            # the commit deletes the state the replaced weights named
             return write_and_replace(fs, root, _plan(ckpt, out_dtype, limit, taken=taken), progress=progress,
                                      what=f"consolidating {ckpt.tag}", metadata=metadata, workers=workers,
                                      remove_root=created, empty_before=not taken)
-        except BaseException:
-            if folder is not None:  # best effort: the first error is the one to see
-                with contextlib.suppress(Exception):
-                    forget_unbound(fs, root, folder, remove_root=created)
-            raise
 
 
 def load_zero_checkpoint(
