@@ -46,7 +46,7 @@ sys.path.insert(0, HERE)
 import stagesafe  # noqa: E402
 from bench_boundary import Wide, end_distributed_job  # noqa: E402
 from bench_leave_fit import GPT, data as gpt_data  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 GIB = 2**30
 

@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import stagesafe  # noqa: E402
 from bench_boundary import device_to_host_seconds, disk_write_seconds, end_distributed_job  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 from stagesafe.stages import page_lock  # noqa: E402
 
 

@@ -52,7 +52,7 @@ sys.path.insert(0, HERE)
 import stagesafe  # noqa: E402
 from bench_boundary import end_distributed_job  # noqa: E402
 from bench_host_memory import Window  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 SEQUENCE = ("validate", "fit", "test")
 

@@ -56,14 +56,14 @@ def write(values: dict[str, torch.Tensor], uri: str, every_rank: bool, remove: b
     done = None
     if every_rank:
         channel = JobChannel.of_job(f"profile-write/{next(_writes)}", timeout=600)
-        done = write_share(values, uri, None, max_shard_size=_SHARD, channel=channel,
+        done = write_share(values, plan_handoff(values, max_shard_size=_SHARD), uri, None, channel=channel,
                            writers=dist.get_world_size(), metadata={})
     elif dist.get_rank() == 0:
         fs, root = resolve(uri)
         plan = plan_handoff(values, max_shard_size=_SHARD, taken=live_files(fs, root))
         done = commit_handoff(fs, root, plan, write_shards(fs, root, plan, list(plan.shards)), metadata={})
     if done is not None and remove:
-        remove_replaced(*resolve(uri), done)
+        remove_replaced(done)
     return done
 
 
@@ -117,7 +117,7 @@ def main() -> None:
             seconds = timed(go)
             if replacing == "after the commit" and committed[0] is not None:
                 start = time.perf_counter()
-                remove_replaced(*resolve(uri), committed[0])
+                remove_replaced(committed[0])
                 removals.append(time.perf_counter() - start)
             if host is not None:
                 host.unlock()

@@ -10,7 +10,6 @@ imports the strategy when a Trainer asks for it; from then on it does nothing, a
 
 from __future__ import annotations
 
-import importlib
 import sys
 from typing import Any
 
@@ -37,9 +36,9 @@ def register(registry: Any, strategy: Any) -> None:
 
 
 def _strategy(**arguments: Any) -> Any:
-    """The factory a name is registered with before the strategy is imported: it imports it (which registers the
-    class itself) and builds it."""
-    return importlib.import_module("stagesafe.strategy").StageSafeDeepSpeedStrategy(**arguments)
+    """The factory a name is registered with before the strategy is imported: the package's public name imports
+    it (which registers the class itself), and it builds it."""
+    return getattr(sys.modules[__package__], "StageSafeDeepSpeedStrategy")(**arguments)
 
 
 class _RegisterWhenLightningLoads:

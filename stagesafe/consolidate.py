@@ -19,27 +19,25 @@ import sys
 from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from stagesafe.handoff.cleanup import live_files, refuse_existing_handoff
+from stagesafe.handoff.cleanup import files_in_the_way
 from stagesafe.handoff.codec import check_tensor
 from stagesafe.storage.fs import list_files, resolve, url_of
 from stagesafe.handoff.manifest import digest_of
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.handoff.plan import HandoffPlan, plan_specs
-from stagesafe.handoff.optimizer_state import binding, bound_folder, new_folder, refuse_other_dtype, remove_state
-from stagesafe.publishing.protocol import write_and_replace
-from stagesafe.handoff.read import committed_manifest, read_manifest
+from stagesafe.handoff.optimizer_state import refuse_other_dtype
+from stagesafe.publishing.commit import write_and_replace
+from stagesafe.handoff.read import read_manifest
 from stagesafe.handoff.shards import Pieces
-from stagesafe.storage.folder import Folder
 from stagesafe.errors import (
     CheckpointFormatError,
-    HandoffCorruptError,
     HandoffExistsError,
     HandoffNotFoundError,
     InvalidArgumentError,
 )
 from stagesafe.flags import checked_flag, checked_optional_flag
-from stagesafe.consolidate_optimizer import write_optimizer_state
+from stagesafe.consolidate_optimizer import optimizer_state_beside
 from stagesafe.zero.checkpoint import ZeroCheckpoint, open_zero_checkpoint
 from stagesafe.zero.pickle_globals import FLOATING, ITEMSIZE
 
@@ -100,8 +98,7 @@ def consolidate(
     """
     out_dtype = _parse_dtype(dtype)
     limit = parse_size(max_shard_size)
-    overwrite = checked_flag("overwrite", overwrite)
-    optimizer = checked_flag("optimizer", optimizer)
+    overwrite, optimizer = checked_flag("overwrite", overwrite), checked_flag("optimizer", optimizer)
     if optimizer:
         refuse_other_dtype(out_dtype)
     progress = checked_optional_flag("progress", progress, default="a bar when stderr is a terminal")
@@ -110,34 +107,18 @@ def consolidate(
     # the source first: a checkpoint that is not there says so before the destination's storage is asked anything
     with open_zero_checkpoint(src, tag=tag, exclude_frozen=exclude_frozen, storage_options=storage_options) as ckpt:
         fs, root = resolve(dst, storage_options)
-        created = _check_destination(fs, root, overwrite)
+        created = _check_destination(fs, root)
+        taken = files_in_the_way(fs, root, overwrite=overwrite)  # the committed weights' files, if overwritten
         metadata = _metadata(ckpt, out_dtype, exclude_frozen)
-        folder = None
-        if optimizer:  # first, in a folder of its own: the weights' manifest, the commit of both, names it
-            folder = new_folder(set(list_files(fs, root, kind="directory")))
-            state = write_optimizer_state(ckpt, fs, root, folder, max_shard_size=limit, workers=workers,
-                                          progress=progress, source=_source(ckpt))
-            metadata["optimizer"] = binding(folder, state)
-        try:  # the commit deletes the state the replaced weights named
-            return _write_weights(ckpt, fs, root, out_dtype, limit, created=created, workers=workers,
-                                  progress=progress, metadata=metadata)
-        except BaseException:
-            if folder is not None and _bound_state(fs, root, unknown=folder) != folder:  # no weights name it
-                with contextlib.suppress(Exception):  # best effort: the first error is the one to see
-                    remove_state(fs, root, folder)
-                    Folder(fs, root).remove([], empty_root=created)
-            raise
-
-
-def _write_weights(
-    ckpt: ZeroCheckpoint, fs: Any, root: str, out_dtype: str | None, limit: int, *, created: bool, workers: int,
-    progress: bool | None, metadata: dict[str, Any],
-) -> dict[str, Any]:
-    """The weights' shards, then their commit: see :func:`consolidate`."""
-    taken = live_files(fs, root)
-    plan = _plan(ckpt, out_dtype, limit, taken=taken)
-    return write_and_replace(fs, root, plan, what=f"consolidating {ckpt.tag}", progress=progress, metadata=metadata,
-                             workers=workers, remove_root=created, empty_before=not taken)
+        with contextlib.ExitStack() as state:
+            if optimizer:  # first, in a folder of its own: the weights' manifest, the commit of both, names it
+                metadata["optimizer"] = state.enter_context(optimizer_state_beside(
+                    ckpt, fs, root, max_shard_size=limit, workers=workers, progress=progress, source=_source(ckpt),
+                    created=created))
+            # the commit deletes the state the replaced weights named
+            return write_and_replace(fs, root, _plan(ckpt, out_dtype, limit, taken=taken), progress=progress,
+                                     what=f"consolidating {ckpt.tag}", metadata=metadata, workers=workers,
+                                     remove_root=created, empty_before=not taken)
 
 
 def load_zero_checkpoint(
@@ -242,13 +223,10 @@ def _cast(tensor: torch.Tensor, out: str | None) -> torch.Tensor:
     return tensor.to(getattr(torch, target))
 
 
-def _check_destination(fs: Any, root: str, overwrite: bool) -> bool:
-    """Refuse a destination that is a file, or that holds a handoff unless ``overwrite`` (as
-    :func:`~stagesafe.publishing.save.save_state_dict` does); return whether the folder is still to be created."""
+def _check_destination(fs: Any, root: str) -> bool:
+    """Refuse a destination that is a file; return whether the folder is still to be created."""
     if fs.isfile(root):
         raise HandoffExistsError(f"destination {url_of(fs, root)!r} is a file; give a folder (it is created if missing)")
-    if not overwrite:
-        refuse_existing_handoff(fs, root)  # lists the folder afresh, past fsspec's listing cache
     return not fs.exists(root)
 
 
@@ -311,17 +289,6 @@ def _plan(ckpt: ZeroCheckpoint, out: str | None, limit: int, *, taken: set[str])
     return plan_specs(
         specs, ckpt.aliases, max_shard_size=limit, taken=taken, state_dict=_LazyStateDict(ckpt, out), sizes=sizes
     )
-
-
-def _bound_state(fs: Any, root: str, *, unknown: str | None = None) -> str | None:
-    """The optimizer state folder the committed weights in ``root`` name (None: no weights, or weights only);
-    ``unknown`` when the store cannot say (so that nothing is removed on a guess)."""
-    try:
-        return bound_folder(committed_manifest(Folder(fs, root), explain=False))
-    except (HandoffNotFoundError, HandoffCorruptError):
-        return None
-    except Exception:  # noqa: BLE001 - the store is failing
-        return unknown
 
 
 def _describe_handoff(url: str, manifest: Mapping[str, Any]) -> dict[str, Any]:

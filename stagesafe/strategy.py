@@ -1,10 +1,9 @@
 """``StageSafeDeepSpeedStrategy``: Lightning's DeepSpeed strategy, safe to reuse a module across Trainer calls.
 
 Thin glue: each override hands the work to :mod:`stagesafe.stages.boundary` (one call's passage) and to the
-strategy's :class:`~stagesafe.stages.call_series.CallSeries` (what its calls share: the handoff folder, its
-writer, how the last call ended). Its checkpoint hooks (:mod:`~stagesafe.strategy_checkpoints`), collectives
-(:mod:`~stagesafe.strategy_collectives`) and the waits for the handoff's write
-(:mod:`~stagesafe.strategy_write_wait`) are bases of their own.
+strategy's ``call_series``, a :class:`~stagesafe.stages.call_series.CallSeries` (what its calls share: the
+handoff folder, its writer, the boundary of the call under way, how the last call ended). Its checkpoint hooks,
+collectives and the waits for the handoff's write are bases of their own (:mod:`stagesafe.strategy_bases`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from torch.nn import Module
 from typing_extensions import override
 
 from stagesafe import _registration as registration
-from stagesafe.boundary_report import BoundaryReport
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.between_calls import given_back_optimizer, has_meta_tensors
@@ -46,9 +44,9 @@ from stagesafe.strategy_arguments import (
     checked_url,
     inference_config,
 )
-from stagesafe.strategy_checkpoints import CheckpointHooks
-from stagesafe.strategy_collectives import GuardedCollectives
-from stagesafe.strategy_write_wait import HandoffWaits, StageReturned
+from stagesafe.strategy_bases.checkpoint_hooks import CheckpointHooks
+from stagesafe.strategy_bases.guarded_collectives import GuardedCollectives
+from stagesafe.strategy_bases.handoff_waits import HandoffWaits, StageReturned
 from stagesafe.trainer_messages import (
     say_committed,
     say_optimizer_resumed,
@@ -147,8 +145,8 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
             # so that no rank fails alone while the others wait for it; before it, a rank that fails ends the job
             # through its launcher.
             check_local_handoff("resume_from", self.resume_from, self.storage_options)
-        parse_size(max_shard_size)
-        self.max_shard_size = max_shard_size
+        self.max_shard_size = max_shard_size  # as given (LightningCLI reads it back); the stages get the bytes
+        self._shard_bytes = parse_size(max_shard_size)
         config_known = isinstance(self.config, dict)  # a config file is read later
         if config_known and isinstance(self.config.get("zero_optimization"), dict):
             stage = self.config["zero_optimization"].get("stage", 0)
@@ -162,12 +160,10 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         check_optimizer_handoff(self.handoff_optimizer_state, between_stages=between_stages)
         checked_bool("exclude_frozen_parameters", self.exclude_frozen_parameters)  # Lightning's; the handoff honours it
         self.overwrite_handoff = checked_bool("overwrite_handoff", overwrite_handoff)
-        self._series = CallSeries(storage_options=self.storage_options, resume_from=self.resume_from,
+        self.call_series = CallSeries(storage_options=self.storage_options, resume_from=self.resume_from,
                                   overwrite=self.overwrite_handoff)
-        self._boundary: StageBoundary | None = None
         self._fresh: set[int] = set()  # ids of the parameters zero.Init built in this call's configure_model
         self._stepped = False  # an optimizer step was made in this call
-        self._last_boundary: BoundaryReport | None = None
 
     # -- entering a stage -------------------------------------------------------------------------------------
     @override
@@ -203,9 +199,9 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         assert module is not None
         target = self._handoff_target(trainer)
         timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        writer = self._series.writer_for(target, module, world_size=self.world_size, timeout=timeout,
+        writer = self.call_series.writer_for(target, module, world_size=self.world_size, timeout=timeout,
                                          meta=self.between_stages == "meta", on_commit=say_committed)
-        self._series.calls += 1
+        self.call_series.calls += 1
         writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
         # A fit with nothing left to train changes nothing: its boundary is that of a stage that does not train.
         trains = trainer.state.fn == TrainerFn.FITTING and not warn_if_fit_has_nothing_left(trainer)
@@ -216,7 +212,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         if self.resume_from is not None:
             resume = HandoffTarget(uri=self.resume_from, storage_options=self.storage_options)
         boundary.enter(resume_from=resume, weights_from=self._weights_from(trainer))  # refuses a stale module first
-        self._boundary = boundary
+        self.call_series.boundary = boundary
         if not any(isinstance(cb, StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(StageReturned())
         with zero_engine.flat_broadcasts():  # DeepSpeed's broadcast of each parameter: one per bucket instead
@@ -233,6 +229,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
             trainer.state.fn.value,
             meta=meta,
             materialize=self._partition_from_handoff if meta else None,
+            max_shard_size=self._shard_bytes,
             training=trains,
             device=self.root_device,
             fresh=frozenset(self._fresh),
@@ -259,8 +256,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         asked = self.handoff_uri
         if asked is None:
             asked = str(trainer.default_root_dir).rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
-        return self._series.target(asked, named=self.handoff_uri is not None, max_shard_size=self.max_shard_size,
-                                   on_versioned=say_versioned)
+        return self.call_series.target(asked, named=self.handoff_uri is not None, on_versioned=say_versioned)
 
     def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
         """The stage and step that a stage's new weights come from, for the handoff's metadata."""
@@ -298,8 +294,9 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         """Lightning's; after the first real step the boundary sizes the optimizer state it keeps at the end."""
         result = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._stepped = True
-        if self._boundary is not None and self._engine_is_live:
-            self._boundary.optimizer_stepped(self.model)
+        boundary = self.call_series.boundary
+        if boundary is not None and self._engine_is_live:
+            boundary.optimizer_stepped(self.model)
         return result
 
     @override
@@ -319,13 +316,14 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
 
     def _loop_started(self) -> None:
         """After Lightning restored any ``ckpt_path``: an inference stage's weights may be written now."""
-        if self._boundary is not None:
-            self._boundary.loop_started()
+        boundary = self.call_series.boundary
+        if boundary is not None:
+            boundary.loop_started()
 
     # -- leaving a stage --------------------------------------------------------------------------------------
     @override
     def teardown(self) -> None:
-        boundary, self._boundary = self._boundary, None
+        boundary, self.call_series.boundary = self.call_series.boundary, None
         try:
             if boundary is not None:
                 self._leave(boundary)
@@ -341,14 +339,14 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         engine = self.model if self._engine_is_live else None
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         failed = trainer is None or trainer.state.status != TrainerStatus.RUNNING
-        ending = self._series.call_ended(failed=failed)
+        ending = self.call_series.call_ended(failed=failed)
         # A fit that made no step (max_epochs already reached) trained nothing; one given a ckpt_path may have
         # loaded new weights into the engine (DeepSpeed's own load) even so.
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         trained = fitted and (self._stepped or trainer.ckpt_path is not None)
         layout = zero_engine.optimizer_layout(engine) if fitted and engine is not None else None  # before destroy
         try:
-            self._last_boundary = boundary.exit(
+            self.call_series.last_report = boundary.exit(
                 engine,
                 trained=trained,
                 weights_from=self._weights_from(trainer) if trainer is not None else {},
@@ -362,10 +360,10 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
                 raise
             # The stage already failed: that error is the one to raise, not this consequence of it.
             log.error("stagesafe: after the stage failed, its boundary failed too: %s", exc, exc_info=exc)
-            self._last_boundary = boundary.report
+            self.call_series.last_report = boundary.report
         else:
-            if fitted and not trained and not failed and not self._last_boundary.wrote:
-                say_unchanged(self._last_boundary.uri)
+            if fitted and not trained and not failed and not boundary.report.wrote:
+                say_unchanged(boundary.report.uri)
         finally:
             self.model = boundary.module
             self._give_back_optimizers(fitted, layout)

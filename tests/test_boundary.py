@@ -36,9 +36,9 @@ def _net() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 2).to(torch.bfloat16))
 
 
-def _writer() -> HandoffWriter:
+def _writer(uri: str) -> HandoffWriter:
     channel = JobChannel(dist.HashStore(), rank=0, world=1, prefix="boundary", timeout=30.0)
-    return HandoffWriter(channel, writers=1, timeout=30.0)
+    return HandoffWriter(channel, uri, writers=1, timeout=30.0)
 
 
 def _boundary(module: nn.Module, uri: str, writer: HandoffWriter, stage: str = "validate", **kwargs) -> StageBoundary:
@@ -70,7 +70,7 @@ def _stage(module: nn.Module, uri: str, writer: HandoffWriter, stage: str = "val
 
 # -- entering ---------------------------------------------------------------------------------------------------
 def test_enter_refuses_a_module_with_stale_deepspeed_state_and_changes_nothing(tmp_path):
-    module, writer = _net(), _writer()
+    module, writer = _net(), _writer(str(tmp_path / "h"))
     module[0].weight.ds_id = 7  # what an earlier engine leaves on a parameter
     objects, values = _objects(module), _values(module)
     stale = r"parameter '0.weight' carries DeepSpeed attributes \['ds_id'\]"
@@ -84,7 +84,7 @@ def test_enter_refuses_a_module_with_stale_deepspeed_state_and_changes_nothing(t
 
 
 def test_a_parameter_zero_init_built_in_this_call_is_not_stale_and_only_the_engine_has_its_value(tmp_path, caplog):
-    module, writer = _net(), _writer()
+    module, writer = _net(), _writer(str(tmp_path / "h"))
     module[0].weight.ds_id = 7  # zero.Init partitioned it in this call's configure_model
     boundary = _boundary(module, str(tmp_path / "h"), writer, fresh={id(module[0].weight)})
     boundary.enter()
@@ -99,16 +99,17 @@ def test_a_module_of_meta_tensors_needs_the_meta_mode_and_a_handoff(tmp_path):
     with torch.device("meta"):
         module = _net()
     with pytest.raises(InvalidArgumentError, match="between_stages='meta'"):
-        _boundary(module, str(tmp_path / "h"), _writer()).enter()
+        _boundary(module, str(tmp_path / "h"), _writer(str(tmp_path / "h"))).enter()
     with pytest.raises(InvalidArgumentError, match="no handoff holds its weights: pass resume_from=URI"):
-        _boundary(module, str(tmp_path / "h"), _writer(), meta=True, materialize=lambda values: None).enter()
+        uri = str(tmp_path / "h")
+        _boundary(module, uri, _writer(uri), meta=True, materialize=lambda values: None).enter()
 
 
 def test_a_first_stage_resumes_from_a_handoff_into_the_same_parameter_objects(tmp_path):
     source = str(tmp_path / "earlier")
     saved = {n: (v + 1 if v.is_floating_point() else v + 3) for n, v in _values(_net()).items()}
     stagesafe.save_state_dict(saved, source)
-    module, writer = _net(), _writer()
+    module, writer = _net(), _writer(str(tmp_path / "h"))
     objects = _objects(module)
     boundary = _boundary(module, str(tmp_path / "h"), writer)
     boundary.enter(resume_from=HandoffTarget(uri=source))
@@ -123,7 +124,8 @@ def test_a_first_stage_resumes_from_a_handoff_into_the_same_parameter_objects(tm
 
 # -- leaving ----------------------------------------------------------------------------------------------------
 def test_an_inference_stage_writes_its_weights_while_its_loop_runs_and_once(tmp_path):
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     objects, values = _objects(module), _values(module)
     boundary = _boundary(module, uri, writer)
     boundary.enter()
@@ -138,7 +140,7 @@ def test_an_inference_stage_writes_its_weights_while_its_loop_runs_and_once(tmp_
 
 
 def test_the_end_gives_back_the_same_parameters_in_their_dtype_and_drops_what_the_engine_added(tmp_path):
-    module, writer = _net(), _writer()
+    module, writer = _net(), _writer(str(tmp_path / "h"))
     kept_hook = module[0].register_forward_hook(lambda *args: None)  # the user's: it stays
     module[0].weight.users_note = "mine"
     objects, values = _objects(module), _values(module)
@@ -162,7 +164,8 @@ def test_the_end_gives_back_the_same_parameters_in_their_dtype_and_drops_what_th
 
 
 def test_a_checkpoint_loaded_during_the_stage_is_what_the_module_and_the_handoff_get(tmp_path):
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     loaded = {n: (v * 2 if v.is_floating_point() else v + 5) for n, v in _values(module).items()}
     boundary = _boundary(module, uri, writer)
     boundary.enter()
@@ -179,7 +182,8 @@ def test_a_checkpoint_loaded_during_the_stage_is_what_the_module_and_the_handoff
 def test_the_weights_a_module_brings_name_the_first_call_that_writes_them(tmp_path):
     """A validate before any fit writes the module's own weights: its manifest names that call and step, as a
     fit's names its own (the commit line then reads "validate, step 0", not "weights")."""
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     boundary = _boundary(module, uri, writer)
     boundary.enter(weights_from={"stage": "validate", "global_step": 0})
     report = _end(boundary, weights_from={"stage": "validate", "global_step": 0}, background=False)
@@ -191,7 +195,8 @@ def test_the_weights_a_module_brings_name_the_first_call_that_writes_them(tmp_pa
 
 
 def test_with_a_rank_elsewhere_rank_zero_writes_alone_and_the_next_stage_writes_again(tmp_path):
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     values = _values(module)
     boundary = _boundary(module, uri, writer, "fit", training=True)
     boundary.enter()
@@ -205,7 +210,7 @@ def test_with_a_rank_elsewhere_rank_zero_writes_alone_and_the_next_stage_writes_
 
 def test_a_failed_last_write_is_raised_once_the_module_is_plain_again(tmp_path):
     (tmp_path / "file").write_text("not a folder")
-    module, writer = _net(), _writer()
+    module, writer = _net(), _writer(str(tmp_path / "file" / "h"))
     objects, values = _objects(module), _values(module)
     boundary = _boundary(module, str(tmp_path / "file" / "h"), writer)
     boundary.enter()  # its write starts, and fails in the background
@@ -219,7 +224,8 @@ def test_a_failed_last_write_is_raised_once_the_module_is_plain_again(tmp_path):
 
 
 def test_a_handoff_deleted_between_stages_is_written_again(tmp_path, caplog):
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     _stage(module, uri, writer)
     writer.join()
     shutil.rmtree(uri)
@@ -232,7 +238,8 @@ def test_a_handoff_deleted_between_stages_is_written_again(tmp_path, caplog):
 
 # -- between stages on the meta device ----------------------------------------------------------------------------
 def test_in_meta_mode_the_module_holds_meta_tensors_and_the_next_engine_is_built_from_the_handoff(tmp_path):
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     values = _values(module)
     fed: dict[str, torch.Tensor] = {}
 
@@ -257,7 +264,7 @@ def one_rank(tmp_path_factory):
     """A gloo process group of one rank, DeepSpeed on the CPU; both undone afterwards."""
     from deepspeed.accelerator import get_accelerator, set_accelerator
 
-    from stagesafe.cpu_strategy import use_deepspeed_cpu_accelerator
+    from stagesafe.strategy_bases.cpu_strategy import use_deepspeed_cpu_accelerator
 
     before = get_accelerator()
     use_deepspeed_cpu_accelerator()
@@ -286,7 +293,8 @@ def _engine(module: nn.Module):
 @pytest.mark.parametrize("meta", [False, True], ids=["cpu", "meta"])
 def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(one_rank, tmp_path, meta):
     module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2).to(torch.bfloat16))
-    writer, uri = _writer(), str(tmp_path / "h")
+    uri = str(tmp_path / "h")
+    writer = _writer(uri)
     objects, values = _objects(module), _values(module)
     memory = {n: t.data_ptr() for n, t in objects.items() if t.dtype == torch.float32}
     boundary = _boundary(module, uri, writer, "fit", training=True, device=torch.device("cpu"), meta=meta,
@@ -295,14 +303,14 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
     history_of(module).weights_from = {"stage": "validate", "global_step": 0}  # what an earlier stage left
     engine = _engine(module)  # casts the module to bf16 and partitions it
     boundary.engine_built(engine, training=True)  # the masters get the exact fp32 values, not bf16-rounded ones
-    planned = boundary._end.plan  # made as the stage entered, before the engine cast anything
+    planned = boundary.end.plan  # made as the stage entered, before the engine cast anything
     report = _end(boundary, engine, trained=True, weights_from={"stage": "fit", "global_step": 1}, background=False)
     boundary.place_meta()
     assert report.wrote and report.clean
     handoff = stagesafe.load_state_dict(uri)
     manifest = stagesafe.read_manifest(uri)
     if not meta:  # the plan made at entry is the one written: the same shards, the bf16 layer's as fp32
-        assert boundary._end.plan is planned
+        assert boundary.end.plan is planned
         assert sorted(map(sorted, _names_per_shard(manifest))) == sorted(map(sorted, planned.shards.values()))
         assert {n: t["dtype"] for n, t in planned.tensors.items()} == {
             "0.weight": "float32", "0.bias": "float32", "1.weight": "float32", "1.bias": "float32"}
@@ -320,7 +328,7 @@ def test_a_fit_hands_off_the_exact_fp32_masters_and_gives_the_module_back_plain(
         assert_bitwise_equal(kept.masters, {n: handoff[n] for n in ("1.weight", "1.bias")})
         assert {n: t.data_ptr() for n, t in _objects(module).items() if n in memory} == memory  # copied in place
         # a fit that some rank left early: the weights it started with are written, the bf16 layer's as its masters
-        again = _boundary(module, str(tmp_path / "again"), writer, "fit", training=True)
+        again = _boundary(module, str(tmp_path / "again"), _writer(str(tmp_path / "again")), "fit", training=True)
         again.enter()
         _end(again, trained=True, gather=False)
         assert_bitwise_equal(stagesafe.load_state_dict(str(tmp_path / "again")), handoff)
@@ -335,7 +343,8 @@ def test_a_fit_with_a_background_write_leaves_the_kept_state_copy_to_the_writers
     from stagesafe.zero.engine import PartitionRecipe, built_partitions, checkpoint_files, tensors_in
 
     module = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
-    writer, uri = _writer(), str(tmp_path / "h")
+    uri = str(tmp_path / "h")
+    writer = _writer(uri)
     boundary = _boundary(module, uri, writer, "fit", training=True, device=torch.device("cpu"))
     boundary.enter()
     engine = _engine(module)
@@ -379,7 +388,8 @@ def _recipes_in(state):
 
 
 def test_a_call_that_failed_before_any_step_writes_no_handoff_and_the_next_call_does(tmp_path, caplog):
-    module, writer, uri = _net(), _writer(), str(tmp_path / "h")
+    module, uri = _net(), str(tmp_path / "h")
+    writer = _writer(uri)
     values = _values(module)
     boundary = _boundary(module, uri, writer, "test")
     boundary.enter()
@@ -395,7 +405,7 @@ def test_a_call_that_failed_before_any_step_writes_no_handoff_and_the_next_call_
 
 def test_the_collector_makes_no_passes_during_a_boundary_and_runs_again_after(tmp_path):
     module = nn.Sequential(*[nn.Linear(2, 2) for _ in range(1500)])  # 3000 tensors: thousands of allocations
-    writer, passes = _writer(), []
+    writer, passes = _writer(str(tmp_path / "h")), []
     boundary = _boundary(module, str(tmp_path / "h"), writer, "fit", training=True)
 
     def count(phase, info):

@@ -16,7 +16,7 @@ import time
 import pytest
 from _launch import sanitized_env
 
-from stagesafe.comm_op_build import COMM_OP, comm_op_folder, watch_comm_op_build
+from stagesafe.strategy_bases.comm_op_build import COMM_OP, comm_op_folder, watch_comm_op_build
 
 
 def _built(folder) -> str:
@@ -81,7 +81,7 @@ def test_a_lock_there_before_the_watch_is_named(tmp_path):
 
 _LOAD = """
 from deepspeed.accelerator import get_accelerator
-from stagesafe.comm_op_build import watch_comm_op_build
+from stagesafe.strategy_bases.comm_op_build import watch_comm_op_build
 with watch_comm_op_build(lambda line: print("SAID", line, flush=True)):
     get_accelerator().create_op_builder("ShareMemCommBuilder").load()
 print("LOADED", flush=True)

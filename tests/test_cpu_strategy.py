@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy, cpu_requested, use_deepspeed_cpu_accelerator
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy, cpu_requested, use_deepspeed_cpu_accelerator
 
 
 def test_the_cpu_is_requested_by_ds_accelerator_only(monkeypatch):

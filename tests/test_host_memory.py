@@ -11,7 +11,7 @@ import time
 import pytest
 from _launch import run_script
 
-from stagesafe.stages.host_budget import _memory_cgroups
+from stagesafe.stages.host_budget import memory_cgroups
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -41,7 +41,7 @@ def test_a_later_fit_peaks_no_higher_than_the_first_with_the_optimizer_state_kep
 
 
 def _own_memory_cgroup() -> tuple[int, str] | None:
-    found = _memory_cgroups("/proc", "/sys/fs/cgroup")
+    found = memory_cgroups("/proc", "/sys/fs/cgroup")
     return (found[0][0], found[0][1]) if found else None
 
 

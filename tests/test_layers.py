@@ -1,6 +1,6 @@
 """The layer rule of docs/how-it-works.md ("The package, and how ranks coordinate"), read from its tables and
 checked against every import of the package (ast, imports inside functions too), so the map and the code
-cannot drift apart."""
+cannot drift apart; and every module has a test file of its own."""
 
 from __future__ import annotations
 
@@ -140,3 +140,19 @@ def test_lightning_deepspeed_and_torch_distributed_are_imported_only_where_the_m
                 if (name == library or name.startswith(library + ".")) and _unit_of(path, where) is None:
                     broken.append(f"stagesafe/{path}:{line} imports {name}")
     assert broken == [], "imports the map of docs/how-it-works.md does not allow:\n" + "\n".join(broken)
+
+
+def test_every_module_has_a_test_file_of_its_own():
+    """A module ``a/b.py`` (or ``a/_b.py``) is tested by ``tests/test_b.py``, or by ``tests/test_a_b.py`` where
+    another module shares its name (``zero/checkpoint.py``: ``tests/test_zero_checkpoint.py``)."""
+    tests = set(os.listdir(os.path.join(ROOT, "tests")))
+    missing = []
+    for path in _modules():
+        folder, _, file = path.rpartition("/")
+        if file == "__init__.py":
+            continue  # a package's face: its names are its modules', tested there
+        name = file.removesuffix(".py").lstrip("_")
+        parent = folder.rpartition("/")[2]
+        if f"test_{name}.py" not in tests and f"test_{parent}_{name}.py" not in tests:
+            missing.append(f"stagesafe/{path}")
+    assert missing == [], "modules without a test file of their own:\n" + "\n".join(missing)

@@ -100,10 +100,13 @@ _STALLED = """
 import signal, sys, torch, torch.distributed as dist
 signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (a background job ignores Ctrl+C)
 from stagesafe.stages.channel import JobChannel
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, where = sys.argv[1], sys.argv[2]
-writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600), writers=2, timeout=600)
-writer.start(WriteRequest(values={"w": torch.ones(3)}, uri=uri, storage_options=None, max_shard_size="1GB", metadata={}))
+channel = JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600)
+writer = HandoffWriter(channel, uri, writers=2, timeout=600)
+values = {"w": torch.ones(3)}
+writer.start(WriteRequest(values=values, plan=plan_handoff(values), metadata={}))
 print("waiting for rank 1, which never writes", flush=True)
 if where == "join":
     writer.join()
@@ -134,11 +137,12 @@ _COMMITTED_THEN_WAITING = """
 import signal, sys, torch, torch.distributed as dist
 signal.signal(signal.SIGINT, signal.default_int_handler)
 from stagesafe.stages.channel import JobChannel
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 channel = JobChannel(dist.HashStore(), rank=0, world=2, prefix="x", timeout=600)
-writer = HandoffWriter(channel, writers=1, timeout=600)  # rank 0 writes it all; rank 1 never says it has left
-writer.start(WriteRequest(values={"w": torch.ones(3)}, uri=sys.argv[1], storage_options=None, max_shard_size="1GB",
-                          metadata={}))
+writer = HandoffWriter(channel, sys.argv[1], writers=1, timeout=600)  # rank 0 writes it all; rank 1 never leaves
+values = {"w": torch.ones(3)}
+writer.start(WriteRequest(values=values, plan=plan_handoff(values), metadata={}))
 print("started", flush=True)
 """
 

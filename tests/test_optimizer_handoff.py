@@ -56,7 +56,7 @@ def test_the_form_written_from_an_engine_verifies_and_holds_its_state(build, tmp
 
     model, engine = _stepped(build)
     url = str(tmp_path / "handoff")
-    bound = write_optimizer_handoff(engine, HandoffTarget(url, max_shard_size=200), source={"stage": "fit"})
+    bound = write_optimizer_handoff(engine, HandoffTarget(url), 200, source={"stage": "fit"})
     assert sorted(os.listdir(url)) == [bound["folder"]]  # the state alone: the weights come next, naming it
     from deepspeed.utils import safe_get_full_fp32_param
 
@@ -93,7 +93,7 @@ def test_state_that_is_not_per_parameter_is_refused_naming_it_and_nothing_is_wri
         url = str(tmp_path / "handoff")
         with pytest.raises(CheckpointFormatError, match=r"'preconditioner' \(_Preconditioned\) is a tensor of shape "
                                                         r"\[2, 2\], neither one value per element"):
-            write_optimizer_handoff(engine, HandoffTarget(url), source={})
+            write_optimizer_handoff(engine, HandoffTarget(url), 10**9, source={})
         assert not os.path.exists(url)
     finally:
         engine.destroy()
@@ -104,7 +104,7 @@ def test_a_store_that_fails_leaves_no_state_and_says_why(build, tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("not a folder")
     with pytest.raises(OSError):
-        write_optimizer_handoff(engine, HandoffTarget(str(blocked)), source={})
+        write_optimizer_handoff(engine, HandoffTarget(str(blocked)), 10**9, source={})
     assert blocked.read_text() == "not a folder" and os.listdir(tmp_path) == ["a-file"]
 
 
@@ -114,7 +114,7 @@ def test_a_state_whose_weights_were_not_committed_is_deleted(build, tmp_path):
 
     _, engine = _stepped(build, steps=1)
     target = HandoffTarget(str(tmp_path / "handoff"))
-    bound = write_optimizer_handoff(engine, target, source={})
+    bound = write_optimizer_handoff(engine, target, 10**9, source={})
     assert os.listdir(target.uri) == [bound["folder"]]
     forget_optimizer_handoff(target, bound["folder"])
     assert os.listdir(target.uri) == []

@@ -20,8 +20,9 @@ from stagesafe import load_state_dict, read_manifest, save_state_dict
 from stagesafe.cli import main
 from stagesafe.consolidate import consolidate
 from stagesafe.errors import CheckpointFormatError, HandoffCorruptError, InvalidArgumentError, StorageTransferError
-from stagesafe.handoff.optimizer_state import FORM, binding, bound_folder, open_form
+from stagesafe.handoff.optimizer_state import FORM, binding, bound_folder, forget_unbound, new_folder, open_form
 from stagesafe.publishing.verify import verify
+from stagesafe.storage.fs import resolve
 from stagesafe.zero.handoff_optimizer import HandoffOptimizer
 
 
@@ -218,3 +219,22 @@ def test_weights_whose_commit_fails_on_a_local_disk_leave_no_state(tmp_path):
     with pytest.raises(Exception, match="stagesafe.json"):
         consolidate(_checkpoint(tmp_path), str(dst), optimizer=True, overwrite=True)
     assert sorted(os.listdir(dst)) == ["stagesafe.json"]
+
+
+def test_a_new_state_folder_is_none_of_the_folders_there(tmp_path, monkeypatch):
+    (tmp_path / "optimizer-00000000").mkdir()
+    tokens = iter(["00000000", "0000000a"])
+    monkeypatch.setattr("secrets.token_hex", lambda n: next(tokens))
+    assert new_folder(*resolve(str(tmp_path), None)) == "optimizer-0000000a"
+
+
+def test_a_state_that_the_committed_weights_name_stays_and_one_they_do_not_name_goes(tmp_path):
+    dst = str(tmp_path / "out")
+    consolidate(_checkpoint(tmp_path), dst, optimizer=True)
+    bound = bound_folder(read_manifest(dst))
+    fs, root = resolve(dst, None)
+    forget_unbound(fs, root, bound)  # the weights name it: a failed later write must not take it away
+    assert open_form(dst) is not None
+    save_state_dict({"w": torch.ones(2)}, f"{dst}/optimizer-0000000b")  # a state whose weights never committed
+    forget_unbound(fs, root, "optimizer-0000000b")
+    assert not os.path.exists(f"{dst}/optimizer-0000000b") and open_form(dst) is not None

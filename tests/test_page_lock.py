@@ -104,7 +104,7 @@ def test_locked_tensors_copy_as_pinned_memory_and_their_heap_neighbours_still_co
     finally:
         for run in runs:
             page_lock.unlock(run)
-    assert not any(t.is_pinned() for t in ours) and not page_lock._locked
+    assert not any(t.is_pinned() for t in ours) and page_lock.locked_ranges() == []
 
 
 @pytest.mark.gpu
@@ -135,7 +135,7 @@ def test_pages_whose_owner_never_unlocked_them_are_unlocked_before_they_are_free
     assert large.is_pinned() and buffers.fresh["fresh"].is_pinned()
     del buffers  # dropped without unlock(): its runs are unlocked as it goes
     gc.collect()
-    assert not large.is_pinned() and not page_lock._locked
+    assert not large.is_pinned() and page_lock.locked_ranges() == []
     for _ in range(3):  # memory mapped again where those pages were copies as pageable memory
         fresh = [torch.randn(n) for n in (8 << 20, 1 << 20, 100)]
         assert all(torch.equal(t.to("cuda").cpu(), t) for t in fresh)

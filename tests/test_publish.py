@@ -19,9 +19,9 @@ from stagesafe.stages.writer import HandoffWriter
 
 
 def _publisher(module: nn.Module, uri: str) -> tuple[HandoffPublisher, HandoffWriter, BoundaryReport]:
-    writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=1, prefix="p", timeout=30.0), writers=1,
+    writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=1, prefix="p", timeout=30.0), uri, writers=1,
                            timeout=30.0)
-    end = StageEnd(device=None, max_shard_size="1GB", writers=1, training=False, keep_optimizer_state=False,
+    end = StageEnd(device=None, max_shard_size=10**9, writers=1, training=False, keep_optimizer_state=False,
                    exclude_frozen=False, stage="fit")
     report = BoundaryReport(stage="fit", uri=uri)
     return HandoffPublisher(module, HandoffTarget(uri=uri), writer, end, report), writer, report

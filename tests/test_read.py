@@ -21,7 +21,11 @@ from _tensors import assert_bitwise_equal, bits
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StorageBackendError
 from stagesafe.handoff.digest import DEFAULT
 from stagesafe.handoff.manifest import digest_of
-from stagesafe.handoff.read import load_state_dict, read_manifest
+from stagesafe.handoff.names import tag_for
+from stagesafe.handoff.read import is_live_commit, load_state_dict, read_manifest
+from stagesafe.handoff.tensor_plan import plan_handoff
+from stagesafe.publishing.commit import write_and_replace
+from stagesafe.storage.fs import resolve
 from stagesafe.publishing.save import save_state_dict
 from stagesafe.publishing.verify import verify
 
@@ -348,3 +352,14 @@ def test_a_local_load_gives_views_of_the_shards_mapping_not_copies(tmp_path, ver
     assert_bitwise_equal(loaded, sd)
     files = {_mapped_file(t.data_ptr()) for t in loaded.values() if t.numel()}
     assert files and files <= {os.path.join(target, name) for name in shards}, files
+
+
+def test_a_write_asks_whether_its_commit_is_the_live_one(tmp_path):
+    """What an interrupted write asks: its key's commit is live until another write's replaces it."""
+    uri = str(tmp_path / "h")
+    with pytest.raises(HandoffNotFoundError):
+        is_live_commit(uri, "write-1")
+    fs, root = resolve(uri)
+    for key in ("write-1", "write-2"):
+        write_and_replace(fs, root, plan_handoff({"w": torch.ones(3)}, tag=tag_for(key)), metadata=None)
+    assert is_live_commit(uri, "write-2") and not is_live_commit(uri, "write-1")

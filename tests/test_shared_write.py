@@ -16,6 +16,7 @@ import stagesafe
 from stagesafe.errors import StorageTransferError
 from stagesafe.publishing.commit import Commit
 from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.channel import Outcome
 from stagesafe.stages.shared_write import names_written_by, owners, write_share
 
@@ -57,7 +58,8 @@ def _values() -> dict[str, torch.Tensor]:
 
 
 def _share(uri: str, values: dict, channel) -> Commit | None:
-    return write_share(values, uri, None, max_shard_size=1, channel=channel, writers=2, metadata={"step": 3})
+    return write_share(values, plan_handoff(values, max_shard_size=1), uri, None, channel=channel, writers=2,
+                       metadata={"step": 3})
 
 
 def _shards_in(folder: str) -> list[str]:

@@ -19,7 +19,9 @@ from _tensors import Unwritable
 
 import stagesafe
 from stagesafe.errors import DistributedStageError, StorageTransferError
-from stagesafe.stages.writer import HandoffWriter, WriteRequest, WriteState, _Write
+from stagesafe.handoff.plan import plan_specs
+from stagesafe.handoff.tensor_plan import plan_handoff
+from stagesafe.stages.writer import HandoffWriter, WriteRequest, WriteState
 
 pytestmark = pytest.mark.timeout(120)
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -30,13 +32,20 @@ def _values(seed: int = 0) -> dict[str, torch.Tensor]:
     return {f"layer{i}.weight": torch.randn(64, 33, generator=g) for i in range(6)} | {"b": torch.arange(7.0)}
 
 
-def _writers(world: int, *, writers: int | None = None, timeout: float = 30.0) -> list[HandoffWriter]:
-    return [HandoffWriter(c, writers=writers or world, timeout=timeout) for c in store_channels(world, timeout=timeout)]
+def _writers(
+    world: int, uri: str | list[str], *, writers: int | None = None, timeout: float = 30.0
+) -> list[HandoffWriter]:
+    """A writer of the folder ``uri`` on each rank (``uri``: each rank's own, where they do not see one folder)."""
+    uris = uri if isinstance(uri, list) else [uri] * world
+    channels = store_channels(world, timeout=timeout)
+    return [HandoffWriter(c, u, writers=writers or world, timeout=timeout) for c, u in zip(channels, uris)]
 
 
-def _request(uri: str, values: dict, **kwargs) -> WriteRequest:
-    return WriteRequest(values=values, uri=uri, storage_options=None, max_shard_size=3000, metadata={"step": 1},
-                        **kwargs)
+def _request(values: dict, **kwargs) -> WriteRequest:
+    """As a stage's end asks: the plan made before, of names, dtypes and shapes (it holds no tensor)."""
+    planned = plan_handoff(values, max_shard_size=3000)
+    plan = plan_specs(planned.tensors, planned.aliases, max_shard_size=3000)
+    return WriteRequest(values=values, plan=plan, metadata={"step": 1}, **kwargs)
 
 
 def _bitwise(a: dict, b: dict) -> bool:
@@ -45,10 +54,10 @@ def _bitwise(a: dict, b: dict) -> bool:
 
 def test_every_rank_writes_its_share_and_rank_zero_commits(tmp_path):
     uri, values = str(tmp_path / "h"), _values()
-    writers = _writers(2)
+    writers = _writers(2, uri)
 
     def rank(r: int):
-        writers[r].start(_request(uri, values))
+        writers[r].start(_request(values))
         return writers[r].join()
 
     committed, other = on_every_rank(rank, 2)
@@ -62,8 +71,8 @@ def test_every_rank_writes_its_share_and_rank_zero_commits(tmp_path):
 def test_ranks_that_do_not_see_the_folder_leave_the_whole_write_to_rank_zero(tmp_path):
     values = _values(1)
     folders = [str(tmp_path / f"rank{r}" / "h") for r in range(2)]  # each rank its own folder
-    writers = _writers(2, writers=1)
-    results = on_every_rank(lambda r: (writers[r].start(_request(folders[r], values)), writers[r].join())[1], 2)
+    writers = _writers(2, folders, writers=1)
+    results = on_every_rank(lambda r: (writers[r].start(_request(values)), writers[r].join())[1], 2)
     assert results[1] is None and not isinstance(results[0], BaseException)
     assert _bitwise(stagesafe.load_state_dict(folders[0]), values)
     assert not os.path.exists(folders[1])  # rank 1 wrote nothing, and waited for nothing of its own
@@ -73,14 +82,14 @@ def test_a_share_that_fails_commits_nothing_leaves_no_shard_and_fails_on_every_r
     uri = str(tmp_path / "h")
     stagesafe.save_state_dict(_values(0), uri)
     before = sorted(os.listdir(uri))
-    writers = _writers(2)
+    writers = _writers(2, uri)
     failed_on = []
 
     def rank(r: int):
         values = _values(1)
         if r == 1:  # a value this rank cannot write: its share fails
             values = {**values, "layer5.weight": Unwritable(values["layer5.weight"])}
-        request = _request(uri, values, on_failed=lambda: failed_on.append(r))
+        request = _request(values, on_failed=lambda: failed_on.append(r))
         writers[r].start(request)
         return writers[r].join()
 
@@ -94,8 +103,8 @@ def test_a_share_that_fails_commits_nothing_leaves_no_shard_and_fails_on_every_r
 
 def test_a_rank_that_never_writes_is_named_once_the_timeout_is_over(tmp_path):
     uri = str(tmp_path / "h")
-    writers = _writers(2, timeout=2.0)
-    writers[0].start(_request(uri, _values()))  # rank 1 died before its share
+    writers = _writers(2, uri, timeout=2.0)
+    writers[0].start(_request(_values()))  # rank 1 died before its share
     with pytest.raises(DistributedStageError, match="no word after 2 s from rank 1"):
         writers[0].join()
     assert not os.path.exists(os.path.join(uri, "stagesafe.json"))
@@ -103,13 +112,13 @@ def test_a_rank_that_never_writes_is_named_once_the_timeout_is_over(tmp_path):
 
 def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on_every_rank(tmp_path):
     gate = threading.Event()
-    writers = _writers(2)
+    writers = _writers(2, str(tmp_path / "h"))
 
     def slow_fill() -> None:
         gate.wait(30)
 
     def rank(r: int) -> str:
-        writers[r].start(_request(str(tmp_path / "h"), _values(), fill=slow_fill))
+        writers[r].start(_request(_values(), fill=slow_fill))
         writers[r].check("entering test")  # rank 0's write waits at the gate: nothing to raise yet
         still = writers[r].pending
         gate.set()
@@ -118,13 +127,13 @@ def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on
 
     assert on_every_rank(rank, 2) == [True, True]
 
-    failing = _writers(2)
+    failing = _writers(2, str(tmp_path / "f"))
 
     def failing_rank(r: int):
         values = {"x": Unwritable(torch.ones(3))}
-        failing[r].start(_request(str(tmp_path / "f"), values))
+        failing[r].start(_request(values))
         if r == 0:
-            failing[0]._write.committed.wait(30)  # the failure is known before the next call's entry
+            concurrent.futures.wait([failing[0].committed], timeout=30)  # the failure is known at the next entry
         failing[r].check("entering test")
 
     zero, one = on_every_rank(failing_rank, 2)
@@ -136,9 +145,9 @@ def test_the_entry_check_leaves_a_running_write_alone_and_raises_a_failed_one_on
 
 def test_device_work_comes_first_and_the_kept_copy_and_unlocking_wait_for_the_call_to_return(tmp_path):
     order: list[str] = []
-    writer = _writers(1)[0]
+    writer = _writers(1, str(tmp_path / "h"))[0]
     values = _values()
-    writer.start(_request(str(tmp_path / "h"), values, fill=lambda: order.append("fill"),
+    writer.start(_request(values, fill=lambda: order.append("fill"),
                           keep=lambda: order.append("keep"), unlock=lambda: order.append("unlock")))
     time.sleep(0.3)
     assert order == ["fill"]  # the call has not returned: the kept state's memory is held, page-locked stays locked
@@ -150,10 +159,10 @@ def test_device_work_comes_first_and_the_kept_copy_and_unlocking_wait_for_the_ca
 
 
 def test_one_write_at_a_time():
-    writer = _writers(1)[0]
-    writer.start(_request("memory://one-at-a-time", _values()))
+    writer = _writers(1, "memory://one-at-a-time")[0]
+    writer.start(_request(_values()))
     with pytest.raises(RuntimeError, match="before the previous one was joined"):
-        writer.start(_request("memory://one-at-a-time", _values()))
+        writer.start(_request(_values()))
     writer.join()
 
 
@@ -162,15 +171,15 @@ def test_after_a_failed_call_the_other_ranks_wait_for_rank_zeros_lone_write(tmp_
     first leaves a collective that times out): ``join`` (``wait_for_handoff()``) on rank 1 returns only once
     the handoff is committed."""
     uri, values = str(tmp_path / "h"), _values(3)
-    writers = _writers(2, timeout=30)
+    writers = _writers(2, uri, timeout=30)
     rank0_may_write = threading.Event()
 
     def rank(r: int):
         if r == 0:
             rank0_may_write.wait(30)
-            writers[0].write_alone(lambda: stagesafe.save_state_dict(values, uri), uri)
+            writers[0].write_alone(lambda: stagesafe.save_state_dict(values, uri))
             return None
-        writers[1].write_alone(lambda: pytest.fail("only rank 0 writes"), uri)
+        writers[1].write_alone(lambda: pytest.fail("only rank 0 writes"))
         threading.Timer(0.5, rank0_may_write.set).start()
         writers[1].join()
         return stagesafe.load_state_dict(uri)
@@ -183,10 +192,10 @@ def test_a_lone_write_that_fails_is_logged_on_every_rank_and_not_raised(tmp_path
     """The stage's own error is the one raised; a failed write after it is logged on every rank."""
     (tmp_path / "a_file").write_text("not a folder")
     uri = str(tmp_path / "a_file" / "h")
-    writers = _writers(2, timeout=30)
+    writers = _writers(2, uri, timeout=30)
 
     def rank(r: int):
-        writers[r].write_alone(lambda: stagesafe.save_state_dict(_values(), uri), uri)
+        writers[r].write_alone(lambda: stagesafe.save_state_dict(_values(), uri))
         writers[r].join()
 
     assert on_every_rank(rank, 2) == [None, None]
@@ -198,6 +207,7 @@ def test_a_lone_write_that_fails_is_logged_on_every_rank_and_not_raised(tmp_path
 _EXIT_SCRIPT = """
 import os, sys, torch, torch.distributed as dist
 from stagesafe.stages.channel import JobChannel
+from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.writer import HandoffWriter, WriteRequest
 uri, mode = sys.argv[1], sys.argv[2]
 values = {"w": torch.arange(12.0).reshape(3, 4)}
@@ -207,8 +217,9 @@ if mode == "fail":
     resource.setrlimit(resource.RLIMIT_FSIZE, (16, resource.RLIM_INFINITY))
 def slow():
     import time; time.sleep(1.0)  # still running when the script's last line has run
-writer = HandoffWriter(JobChannel(dist.HashStore(), rank=0, world=1, prefix="x", timeout=60), writers=1, timeout=60)
-writer.start(WriteRequest(values=values, uri=uri, storage_options=None, max_shard_size="1GB", metadata={}, fill=slow))
+channel = JobChannel(dist.HashStore(), rank=0, world=1, prefix="x", timeout=60)
+writer = HandoffWriter(channel, uri, writers=1, timeout=60)
+writer.start(WriteRequest(values=values, plan=plan_handoff(values), metadata={}, fill=slow))
 print("script ends", flush=True)
 """
 
@@ -236,15 +247,15 @@ def _stagesafe_threads() -> set[threading.Thread]:
 def test_stop_on_a_write_thread_finishes_the_write_and_leaves_its_outcome_to_join(tmp_path):
     """Lightning's test suite calls stop() on every daemon thread a test left and requires it dead after."""
     uri, values = str(tmp_path / "h"), _values()
-    writers = _writers(2)
+    writers = _writers(2, uri)
     failed_on = []
 
     def rank(r: int):
         if r == 1:  # this rank's share fails: the outcome must survive stop() and be raised by join()
-            request = _request(uri, {**values, "layer5.weight": Unwritable(values["layer5.weight"])},
+            request = _request({**values, "layer5.weight": Unwritable(values["layer5.weight"])},
                                on_failed=lambda: failed_on.append(r))
         else:
-            request = _request(uri, values, on_failed=lambda: failed_on.append(r))
+            request = _request(values, on_failed=lambda: failed_on.append(r))
         writers[r].start(request)
         return {t for t in _stagesafe_threads() if f" {uri}" in t.name}
 
@@ -264,11 +275,11 @@ def test_stop_on_a_write_thread_finishes_the_write_and_leaves_its_outcome_to_joi
 
 def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
     uri, values = str(tmp_path / "h"), _values()
-    writers = _writers(2)
+    writers = _writers(2, uri)
     before = _stagesafe_threads()
 
     def rank(r: int):
-        writers[r].start(_request(uri, values))
+        writers[r].start(_request(values))
         return writers[r].join()
 
     on_every_rank(rank, 2)
@@ -281,9 +292,9 @@ def test_a_committed_write_leaves_no_stagesafe_thread_behind(tmp_path):
 
 def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
     uri, values, gate = str(tmp_path / "h"), _values(), threading.Event()
-    (writer,) = _writers(1)
+    (writer,) = _writers(1, uri)
     assert writer.state is None
-    writer.start(_request(uri, values, fill=gate.wait))  # the private copies wait: still copying
+    writer.start(_request(values, fill=gate.wait))  # the private copies wait: still copying
     assert writer.state is WriteState.COPYING
     gate.set()
     deadline = time.monotonic() + 30
@@ -295,9 +306,9 @@ def test_a_writes_state_is_read_from_what_its_threads_did(tmp_path):
 
 
 def test_a_failed_writes_state_is_failed_before_it_is_joined(tmp_path):
-    (writer,) = _writers(1)
+    (writer,) = _writers(1, str(tmp_path / "h"))
     values = _values()
-    writer.start(_request(str(tmp_path / "h"), {**values, "layer5.weight": Unwritable(values["layer5.weight"])}))
+    writer.start(_request({**values, "layer5.weight": Unwritable(values["layer5.weight"])}))
     deadline = time.monotonic() + 30
     while writer.state is not WriteState.FAILED and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -310,10 +321,10 @@ def test_a_writes_states_come_in_order_on_every_rank_and_committed_is_rank_zeros
     """copying, writing, committed on both ranks, each held open by a gate: rank 1 is committed once it has
     read rank 0's word, before anyone joins."""
     uri, values = str(tmp_path / "h"), _values()
-    writers = _writers(2)
+    writers = _writers(2, uri)
     copies = [threading.Event(), threading.Event()]
     for r in (0, 1):
-        writers[r].start(_request(uri, values, fill=copies[r].wait))
+        writers[r].start(_request(values, fill=copies[r].wait))
     assert [w.state for w in writers] == [WriteState.COPYING] * 2
     copies[0].set()
     _until(lambda: writers[0].state is not WriteState.COPYING)
@@ -335,11 +346,11 @@ def _until(condition, limit: float = 30.0) -> None:
 def _transitions(resolve_copied, resolve_committed) -> set[tuple[str, str]]:
     """The state changes a write goes through when its futures resolve as the writer resolves them:
     ``copied`` first, then ``committed``."""
-    write = _Write(_request("memory://unused", {}), None, writes_here=True, writers=1)
-    seen = [write.state]
-    for resolve, future in ((resolve_copied, write.copied), (resolve_committed, write.committed)):
+    copied, committed = concurrent.futures.Future(), concurrent.futures.Future()
+    seen = [WriteState.of(copied, committed)]
+    for resolve, future in ((resolve_copied, copied), (resolve_committed, committed)):
         resolve(future)
-        seen.append(write.state)
+        seen.append(WriteState.of(copied, committed))
     return {(a.value, b.value) for a, b in zip(seen, seen[1:]) if a is not b}
 
 
@@ -380,17 +391,17 @@ def test_the_docs_draw_exactly_the_states_and_steps_the_code_has():
 
 
 def test_a_copy_that_fails_fails_the_write_from_copying_on(tmp_path):
-    (writer,) = _writers(1)
+    (writer,) = _writers(1, str(tmp_path / "h"))
     gate = threading.Event()
 
     def fill() -> None:
         gate.wait(30)
         raise OSError("the device is gone")
 
-    writer.start(_request(str(tmp_path / "h"), _values(), fill=fill))
+    writer.start(_request(_values(), fill=fill))
     assert writer.state is WriteState.COPYING
     gate.set()
-    assert isinstance(writer._write.copied.exception(30), OSError)
+    assert isinstance(writer.copied.exception(30), OSError)
     assert writer.state is WriteState.FAILED
     with pytest.raises(OSError, match="the device is gone"):
         writer.join()
@@ -398,13 +409,13 @@ def test_a_copy_that_fails_fails_the_write_from_copying_on(tmp_path):
 
 
 def test_an_interrupted_lone_write_still_tells_the_other_ranks_and_the_interrupt_goes_on(tmp_path, caplog):
-    writers = _writers(2, timeout=30)
+    writers = _writers(2, str(tmp_path / "h"), timeout=30)
 
     def interrupted() -> None:
         raise KeyboardInterrupt
 
     def rank(r: int):
-        writers[r].write_alone(interrupted, str(tmp_path / "h"))
+        writers[r].write_alone(interrupted)
         return writers[r].join()
 
     zero, one = on_every_rank(rank, 2)
@@ -416,13 +427,14 @@ def test_an_interrupted_lone_write_still_tells_the_other_ranks_and_the_interrupt
 
 def test_a_writes_two_futures_hold_its_private_copies_and_its_commit():
     """The futures are plain concurrent.futures, as a caller's own code would wait on them."""
-    (writer,) = _writers(1)
-    writer.start(_request("memory://futures", _values()))
-    write = writer._write
-    done, _ = concurrent.futures.wait([write.copied, write.committed], timeout=30)
-    assert done == {write.copied, write.committed}
-    assert write.copied.result() is None and write.committed.result().manifest["metadata"]["step"] == 1
-    assert writer.join() is write.committed.result()
+    (writer,) = _writers(1, "memory://futures")
+    writer.start(_request(_values()))
+    copied, committed = writer.copied, writer.committed
+    done, _ = concurrent.futures.wait([copied, committed], timeout=30)
+    assert done == {copied, committed}
+    assert copied.result() is None and committed.result().manifest["metadata"]["step"] == 1
+    assert writer.join() is committed.result()
+    assert writer.copied is None and writer.committed is None  # joined: no write pending
 
 
 def test_a_rank_lets_go_of_its_private_copies_once_its_share_is_written(tmp_path):
@@ -430,11 +442,11 @@ def test_a_rank_lets_go_of_its_private_copies_once_its_share_is_written(tmp_path
     import threading
     import weakref
 
-    (writer,) = _writers(1)
+    (writer,) = _writers(1, str(tmp_path / "h"))
     values = _values()
     expected = sum(t.nbytes for t in values.values())
     gate = threading.Event()
-    writer.start(_request(str(tmp_path / "h"), values, fill=gate.wait))  # still copying: the copies are held
+    writer.start(_request(values, fill=gate.wait))  # still copying: the copies are held
     assert writer.held_bytes() == expected
     refs = [weakref.ref(t) for t in values.values()]
     del values

@@ -27,21 +27,22 @@ from typing import Any
 
 from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, shown
 from stagesafe.storage.folder import Folder
-from stagesafe.storage.fs import join, resolve, url_of
+from stagesafe.storage.fs import join, list_files, resolve, url_of
 from stagesafe.handoff.manifest import check_metadata
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
-from stagesafe.handoff.read import committed_or_none, read_manifest
+from stagesafe.handoff.read import committed_manifest, committed_or_none, read_manifest
 
 __all__ = ["FORM", "FormGroup", "OptimizerForm", "binding", "bound_folder", "check_form", "form_metadata",
-           "new_folder", "open_form", "refuse_other_dtype", "remove_state", "state_name"]
+           "forget_unbound", "new_folder", "open_form", "refuse_other_dtype", "remove_state", "state_name"]
 
 FORM = "stagesafe-optimizer/1"
 _FOLDER_RE = re.compile(r"optimizer-[0-9a-f]{8}")  # the state's handoff, a folder inside the weights' folder
 _KEY = "optimizer_state"  # its manifest's metadata entry
 
 
-def new_folder(taken: set[str]) -> str:
-    """A state folder's name of a write's own: ``optimizer-<8 hex digits>``, none of ``taken``."""
+def new_folder(fs: Any, root: str) -> str:
+    """A state folder's name of a write's own in ``root``: ``optimizer-<8 hex digits>``, none of its folders."""
+    taken = set(list_files(fs, root, kind="directory"))
     while True:
         name = f"optimizer-{secrets.token_hex(4)}"
         if name not in taken:
@@ -112,6 +113,23 @@ def remove_state(fs: Any, root: str, folder: str) -> None:
     manifest = committed_or_none(state)
     state.remove([*(manifest["shards"] if manifest is not None else ()), INDEX_NAME])
     state.remove([MANIFEST_NAME], empty_root=True)
+
+
+def forget_unbound(fs: Any, root: str, folder: str, *, remove_root: bool = False) -> None:
+    """After a write of state and weights failed once the state in ``root``/``folder`` was committed: delete that
+    state unless the committed weights in ``root`` name it, and with ``remove_root`` the folder ``root`` too if
+    nothing else is in it (the write created it). Nothing is removed where the store cannot say what the weights
+    name; raises what the store raises while deleting."""
+    weights = Folder(fs, root)
+    try:
+        bound = bound_folder(committed_manifest(weights, explain=False))
+    except (HandoffNotFoundError, HandoffCorruptError):
+        bound = None  # no weights: none name it
+    except Exception:  # noqa: BLE001 - the store is failing: nothing is removed on a guess
+        return
+    if bound != folder:
+        remove_state(fs, root, folder)
+        weights.remove([], empty_root=remove_root)
 
 
 def binding(folder: str, state_manifest: Mapping[str, Any]) -> dict[str, Any]:

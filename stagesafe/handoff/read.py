@@ -25,7 +25,7 @@ from stagesafe.storage.folder import Folder, check_workers, each
 from stagesafe.storage.fs import basename, bucket_of, is_local, join, list_files, url_of
 from stagesafe.handoff.index import shard_names
 from stagesafe.handoff.manifest import digest_of, shard_digest, validate_manifest
-from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_shard_name
+from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME, is_commit_of, is_shard_name
 from stagesafe.handoff.plan import dtype_name
 from stagesafe.storage.retry import RetryPolicy
 from stagesafe.storage.safe_files import open_in, read_in, size_of
@@ -46,6 +46,7 @@ __all__ = [
     "committed_or_none",
     "committed_shards",
     "fetch_manifest",
+    "is_live_commit",
     "load_state_dict",
     "missing_message",
     "parse_json",
@@ -70,6 +71,14 @@ def read_manifest(
 ) -> dict[str, Any]:
     """The manifest of the committed handoff at ``uri`` (validated, shards not checked)."""
     return fetch_manifest(Folder.at(uri, storage_options, retry=retry))
+
+
+def is_live_commit(uri: str, key: str, *, storage_options: dict[str, Any] | None = None) -> bool:
+    """Is the handoff committed at ``uri`` now the commit of the write keyed ``key`` (its shards carry that
+    write's tag, :func:`~stagesafe.handoff.names.tag_for`)? Asked once, not tried again: raises
+    :class:`HandoffNotFoundError` where no handoff is committed, and what the store raises where it cannot say."""
+    manifest = read_manifest(uri, storage_options=storage_options, retry=RetryPolicy(attempts=1))
+    return is_commit_of(manifest["shards"], key)
 
 
 def check_present(uri: str, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

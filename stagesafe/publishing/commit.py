@@ -1,5 +1,13 @@
-"""Committing a handoff whose shards are written: the manifest ``stagesafe.json``, whose presence and content
-define the handoff, then the Hugging Face index; only after both, the replaced handoff's files are deleted.
+"""The one commit protocol of a handoff: plan -> shards -> commit, whoever writes; then the replaced files go.
+
+``save_state_dict``, ``consolidate`` and the strategy's writer all go through :func:`write_and_commit`: this
+process writes its shards of the plan; the commit follows once every shard is written: the manifest
+``stagesafe.json``, whose presence and content define the handoff, then the Hugging Face index; only after both,
+the replaced handoff's files are deleted (:func:`remove_replaced`). A handoff written by several ranks at once
+gives it a :class:`RecordExchange`, the small transport through which each writing rank but 0 posts its shards'
+records (or its failure) and rank 0 gathers them: rank 0 commits once it has heard from every writing rank, or
+deletes every shard of the write and fails, leaving the committed handoff as it was. Nothing here knows how the
+ranks talk: the strategy's exchange is the job's key-value store.
 
 A reader sees the old handoff or the new one, never a mix. The index follows the commit, so that at any point a
 writer may die it names the committed shards or those of the commit before, still in place: never a save that
@@ -16,30 +24,33 @@ import logging
 import platform
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, Protocol
 
 import fsspec
 import safetensors
 
-from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError
+from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StorageTransferError
 from stagesafe.handoff import digest as _digest
-from stagesafe.handoff.cleanup import remove_orphans
-from stagesafe.storage.folder import Folder, check_retry
-from stagesafe.storage.fs import fsync_dir
+from stagesafe.handoff import known_manifests
+from stagesafe.handoff.cleanup import delete_shards, remove_orphans
 from stagesafe.handoff.index import build_index
 from stagesafe.handoff.manifest import build_manifest
 from stagesafe.handoff.names import INDEX_NAME, MANIFEST_NAME
-from stagesafe.handoff.shards import UNCHANGED
-from stagesafe.handoff.plan import HandoffPlan
 from stagesafe.handoff.optimizer_state import bound_folder, remove_state
-from stagesafe.handoff import known_manifests
-from stagesafe.handoff.read import checked_manifest, committed_bytes, committed_or_none
+from stagesafe.handoff.plan import HandoffPlan
+from stagesafe.handoff.read import checked_manifest, committed_bytes, committed_or_none, committed_shards
+from stagesafe.handoff.shards import UNCHANGED, ShardRecord, write_shards
+from stagesafe.progress import bytes_bar
+from stagesafe.storage.folder import Folder, check_retry
+from stagesafe.storage.fs import fsync_dir, url_of
 from stagesafe.storage.retry import RetryPolicy
-from stagesafe.handoff.shards import ShardRecord
 
-__all__ = ["Commit", "commit", "commit_handoff", "index_follows_the_manifest", "remove_replaced", "write_index"]
+__all__ = [
+    "Commit", "RecordExchange", "commit", "commit_handoff", "index_follows_the_manifest", "remove_replaced",
+    "write_and_commit", "write_and_replace", "write_index",
+]
 
 log = logging.getLogger(__name__)
 
@@ -49,11 +60,129 @@ _INDEX_ROUNDS = 5  # looks at the index after a commit; each more is needed only
 @dataclass(frozen=True)
 class Commit:
     """A committed handoff: its manifest, and the shard files of the handoff it replaced (now unused), and the
-    optimizer state folder that handoff named and this one does not (:mod:`.optimizer_state`)."""
+    optimizer state folder that handoff named and this one does not (:mod:`.optimizer_state`); ``folder``:
+    where it was committed, for :func:`remove_replaced`."""
 
     manifest: dict[str, Any]
     replaced: frozenset[str]
     replaced_state: str | None = None
+    folder: Folder | None = field(default=None, compare=False, repr=False)
+
+
+class RecordExchange(Protocol):
+    """How the ranks of one write exchange their shards' records. ``rank`` 0 commits; the others post."""
+
+    rank: int
+
+    def post(self, records: Mapping[str, ShardRecord], error: BaseException | None) -> None:
+        """On a rank but 0: this rank's share is written (``records``), or it failed (``error``)."""
+
+    def gather(self, url: str) -> tuple[dict[str, ShardRecord], Exception | None, dict[int, str]]:
+        """On rank 0: the records the other writing ranks posted; the error that ended the wait, if any; and the
+        ranks that posted a failure, each with its text. ``url`` names the handoff in a wait's message."""
+
+
+def write_and_commit(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    *,
+    metadata: Mapping[str, Any] | None,
+    files: list[str] | None = None,
+    exchange: RecordExchange | None = None,
+    workers: int | None = None,
+    retry: RetryPolicy | None = None,
+    digest: str = _digest.DEFAULT,
+    remove_root: bool = False,
+    empty_before: bool = False,
+) -> Commit | None:
+    """Write ``files`` of ``plan`` (default: every shard), then commit; return the :class:`Commit` (None on a
+    rank that only posts). Deletes nothing the commit replaced: :func:`remove_replaced`.
+
+    ``exchange``: the ranks of a write by several; a failure of this rank's share is posted before it is raised
+    (rank 0 would otherwise wait out its timeout), and on rank 0 every rank's failure deletes every shard of the
+    write. ``remove_root``: a failed write removes the folder it created. ``empty_before``: the folder held no
+    handoff, so a commit cut short (a Ctrl+C too) that did not land leaves nothing of this write.
+    """
+    records: dict[str, ShardRecord] = {}
+    error: BaseException | None = None
+    try:
+        records = write_shards(fs, root, plan, files, workers=workers, retry=retry, digest=digest, remove_root=remove_root)
+    except BaseException as exc:  # noqa: BLE001 - whatever ended this share, an interrupt too, is posted first
+        if exchange is None:
+            raise
+        error = exc
+    if exchange is not None:
+        if exchange.rank != 0:
+            exchange.post(records, error)
+            if error is not None:
+                raise error
+            return None
+        _gathered(fs, root, plan, exchange, records, error)
+    try:
+        return commit_handoff(fs, root, plan, records, metadata=metadata, retry=retry)
+    except BaseException:  # a failed commit may have landed: its shards are then the handoff's
+        if empty_before and not _committed_here(fs, root, records):  # no handoff there before, none of ours now
+            Folder(fs, root).remove([*records, INDEX_NAME], empty_root=remove_root)
+        raise  # else the shards are an interrupted save's, which the next save cleans up
+
+
+def _gathered(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    exchange: RecordExchange,
+    records: dict[str, ShardRecord],
+    error: BaseException | None,
+) -> None:
+    """On rank 0: add the other ranks' records to ``records``, or, if any share failed, delete every shard of the
+    write (the other ranks' once they are written) and raise."""
+    url = url_of(fs, root)
+    more, waited, failed = exchange.gather(url)
+    records.update(more)
+    error = error or waited
+    if error is None and not failed:
+        return
+    delete_shards(fs, root, plan.shards)  # every rank's: a write that failed before its commit leaves nothing
+    if error is not None:
+        raise error
+    shown = "; ".join(f"rank {r}: {text}" for r, text in failed.items())
+    raise StorageTransferError(f"could not write the shards of {url!r} on {shown}{UNCHANGED}")
+
+
+def _committed_here(fs: fsspec.AbstractFileSystem, root: str, files: Mapping[str, Any]) -> bool:
+    """Whether the manifest in ``root`` names any of ``files``: a commit that failed may still have landed. When
+    the store cannot say, it did, so that nothing is removed."""
+    try:
+        return bool(committed_shards(Folder(fs, root)) & set(files))
+    except Exception:  # noqa: BLE001 - the store is failing
+        return True
+
+
+def write_and_replace(
+    fs: fsspec.AbstractFileSystem,
+    root: str,
+    plan: HandoffPlan,
+    *,
+    what: str = "",
+    progress: bool | None = False,
+    **kwargs: Any,
+) -> dict[str, Any]:
+    """A write by this process alone: :func:`write_and_commit` (``kwargs``: its arguments but ``exchange``), then
+    the replaced handoff's files deleted; returns the manifest. ``progress``: a bar on stderr
+    (:func:`stagesafe.progress.bytes_bar`, titled ``what``) counting the bytes the plan's lazy ``state_dict``
+    reports through its ``on_read`` as it reads each tensor."""
+    bar = bytes_bar(progress, plan.total_size, what)
+    if bar is not None:
+        plan.state_dict.on_read = bar.update
+    try:
+        done = write_and_commit(fs, root, plan, **kwargs)
+    finally:
+        if bar is not None:
+            bar.close()
+    assert done is not None  # no exchange: this process commits
+    remove_replaced(done)
+    return done.manifest
 
 
 def commit(
@@ -68,7 +197,7 @@ def commit(
     """
     done = commit_handoff(fs, root, plan, shard_records, **options)
     if remove_stale_files:
-        remove_replaced(fs, root, done)
+        remove_replaced(done)
     return done.manifest
 
 
@@ -116,20 +245,20 @@ def commit_handoff(
         )
     state = bound_folder(before) if before is not None else None
     return Commit(manifest=manifest, replaced=frozenset(replaced - set(manifest["shards"])),
-                  replaced_state=state if state != bound_folder(manifest) else None)
+                  replaced_state=state if state != bound_folder(manifest) else None, folder=Folder(fs, root))
 
 
-def remove_replaced(fs: fsspec.AbstractFileSystem, root: str, done: Commit) -> None:
-    """After a commit: delete the shards of the handoff it replaced (and the optimizer state it named, which this
-    one does not), and the files killed or failed writers
-    left behind once they are older than :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones
-    may belong to another writer's commit in progress). Best effort: a failure is logged, never raised, since
-    the handoff is committed."""
-    folder = Folder(fs, root)
+def remove_replaced(done: Commit) -> None:
+    """After a commit, in its folder: delete the shards of the handoff it replaced (and the optimizer state it
+    named, which this one does not), and the files killed or failed writers left behind once they are older than
+    :data:`~stagesafe.handoff.cleanup.ORPHAN_AGE` seconds (younger ones may belong to another writer's commit in
+    progress). Best effort: a failure is logged, never raised, since the handoff is committed."""
+    folder = done.folder
+    assert folder is not None, "a Commit made by commit_handoff knows its folder"
     try:
         folder.remove(done.replaced)
         if done.replaced_state is not None:
-            remove_state(fs, root, done.replaced_state)
+            remove_state(folder.fs, folder.root, done.replaced_state)
         remove_orphans(folder)
     except Exception as exc:  # noqa: BLE001 - any storage client's error
         log.warning("stagesafe: could not delete stale files under %s (%s); a later save retries", folder.url, exc)

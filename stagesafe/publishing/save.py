@@ -19,7 +19,7 @@ from stagesafe.storage.fs import check_not_a_file, resolve
 from stagesafe.handoff.manifest import check_metadata
 from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
 from stagesafe.handoff.plan import plan_specs
-from stagesafe.publishing.protocol import write_and_replace
+from stagesafe.publishing.commit import write_and_replace
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.storage.retry import RetryPolicy
 

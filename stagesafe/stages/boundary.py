@@ -8,8 +8,9 @@ decides once where the stage's weights come from (:mod:`~stagesafe.stages.weight
 destroys the engine, restores the module to plain tensors in the dtype and device it had before its first
 stage, and publishes: has the handoff (fp32 wherever training had masters) written when it does not hold them
 yet (by the strategy's :class:`~stagesafe.stages.writer.HandoffWriter`, in the background unless asked
-otherwise). The end's plan, host memory and kept state are :mod:`~stagesafe.stages.stage_end`'s; taking
-weights from the engine is :mod:`~stagesafe.stages.engine_weights`'.
+otherwise). What the entry checks and reads before any engine (a clean module, ``resume_from``'s weights, the
+handoff still there) is :mod:`~stagesafe.stages.stage_entry`'s; the end's plan, host memory and kept state are
+:mod:`~stagesafe.stages.stage_end`'s; taking weights from the engine is :mod:`~stagesafe.stages.engine_weights`'.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ import torch
 from torch import nn
 
 from stagesafe.boundary_report import BoundaryReport
-from stagesafe.errors import HandoffCorruptError, HandoffNotFoundError, InvalidArgumentError, StaleDeepSpeedStateError
-from stagesafe.handoff.read import HandoffReader, check_present, read_manifest
+from stagesafe.errors import InvalidArgumentError
+from stagesafe.handoff.read import HandoffReader
+from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE, parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.between_calls import follow_parameters
 from stagesafe.stages.engine_weights import take_from_engine
@@ -39,18 +41,18 @@ from stagesafe.stages.history import (
     ModuleHistory,
     fingerprint,
     history_of,
-    new_history,
     state_tensors,
 )
 from stagesafe.stages.optimizer_handoff import forget_optimizer_handoff, write_optimizer_handoff
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
 from stagesafe.stages.stage_end import StageEnd
+from stagesafe.stages.stage_entry import assert_clean, build_from_handoff, check_still_there, first_stage
 from stagesafe.stages.weight_source import WeightSource, weight_sources
 from stagesafe.stages.writer import HandoffWriter
-from stagesafe.restore import assign_values, load_for
+from stagesafe.restore import assign_values
 from stagesafe.zero import engine as zero_engine
 
-__all__ = ["StageBoundary", "StageOptions", "assert_clean"]
+__all__ = ["StageBoundary", "StageOptions"]
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,7 @@ class StageOptions:
     frozen parameters, as ``save_checkpoint`` would). ``check_host_memory``: a training stage asks the host
     for its end's memory before its first step (:mod:`~stagesafe.stages.host_budget`).
     ``handoff_optimizer_state``: a training stage's end writes the optimizer state beside the weights, per
-    parameter (:mod:`~stagesafe.stages.optimizer_handoff`).
+    parameter (:mod:`~stagesafe.stages.optimizer_handoff`). ``max_shard_size``: the largest shard, in bytes.
     """
 
     stage: str
@@ -86,6 +88,7 @@ class StageOptions:
     exclude_frozen: bool = False
     check_host_memory: bool = True
     handoff_optimizer_state: bool = False
+    max_shard_size: int = parse_size(DEFAULT_MAX_SHARD_SIZE)
 
 
 @dataclass
@@ -108,19 +111,6 @@ class _Taken:
     failed: tuple[WeightSource, ...] = ()  # the sources tried first, whose taking failed
 
 
-def assert_clean(module: nn.Module, *, fresh: set[int] = frozenset()) -> None:
-    """Raise :class:`StaleDeepSpeedStateError` when the module still carries an earlier engine's state.
-    ``fresh``: ids of parameters DeepSpeed's ``zero.Init`` built in this call (Lightning's ``configure_model``)."""
-    problems = zero_engine.find_stale_state(module, fresh=fresh)
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise StaleDeepSpeedStateError(
-            f"The module still carries state of an earlier DeepSpeed engine: {shown}. Building a new engine over it "
-            "would re-adopt stale ZeRO partitions. Run every stage through StageSafeDeepSpeedStrategy, or load the "
-            "weights into a fresh module with stagesafe.restore(module, handoff_uri)."
-        )
-
-
 class StageBoundary:
     """The life of one Trainer call's engine over ``module``; create one per call."""
 
@@ -131,8 +121,8 @@ class StageBoundary:
         self.target = target
         self.writer = writer
         self.options = options
-        self._end = StageEnd(
-            device=options.device, max_shard_size=target.max_shard_size, writers=writer.writers,
+        self.end = StageEnd(  # the stage's end: its plan (made at entry), host memory and kept state
+            device=options.device, max_shard_size=options.max_shard_size, writers=writer.writers,
             training=options.training, keep_optimizer_state=options.keep_optimizer_state,
             exclude_frozen=options.exclude_frozen, stage=options.stage, check_memory=options.check_host_memory,
             module_holds_weights=not options.meta,
@@ -145,7 +135,7 @@ class StageBoundary:
         self.history: ModuleHistory | None = None
         self.resumed: HandoffTarget | None = None  # resume_from, while the module holds the weights it took there
         self.report = BoundaryReport(stage=options.stage, uri=target.uri)
-        self._publisher = HandoffPublisher(module, target, writer, self._end, self.report)
+        self._publisher = HandoffPublisher(module, target, writer, self.end, self.report)
 
     # -- entering -------------------------------------------------------------------------------------------
     @no_collector_passes()
@@ -172,16 +162,19 @@ class StageBoundary:
                 "stage with StageSafeDeepSpeedStrategy(between_stages='meta')"
             )
         if history is None:
-            tensors, history = self._first_stage(tensors, resume_from, on_meta, weights_from or {})
+            tensors, history = first_stage(self.module, tensors, resume_from=resume_from, target=self.target,
+                                           on_meta=on_meta, weights_from=weights_from or {})
         if resume_from is not None and history.weights_from.get("resumed_from") == resume_from.uri:
             self.resumed = resume_from  # no call has changed the weights it took (inference calls, a fit with no step)
         history.note_names(tensors, fresh=built)
         self.history = history
-        self._end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
-        self._still_there(history, on_meta)
+        self.end.take_over_kept_state(history)  # a fit's engine makes its own: the last one's goes now
+        check_still_there(history, self.target, self.writer, on_meta=on_meta)
         footprint = zero_engine.take_footprint(self.module, fresh=self.options.fresh)
         if on_meta:
-            self._entry = _Entry(self._build_from_handoff(history), built=built, footprint=footprint)
+            assert self.options.materialize is not None
+            reader = build_from_handoff(history, self.writer, self.options.materialize)
+            self._entry = _Entry(reader, built=built, footprint=footprint)
         else:
             entry = {n: t for n, t in tensors.items() if n not in built}
             masters = history.kept.masters_for(entry) if history.kept is not None else {}
@@ -196,97 +189,17 @@ class StageBoundary:
         params = self.module.named_parameters(remove_duplicate=False)
         return {n for n, p in params if id(p) in self.options.fresh and zero_engine.is_zero3_param(p)}
 
-    def _first_stage(
-        self, tensors: dict[str, torch.Tensor], resume_from: HandoffTarget | None, on_meta: bool,
-        weights_from: Mapping[str, Any],
-    ) -> tuple[dict[str, torch.Tensor], ModuleHistory]:
-        """A module's first stage under stagesafe: it takes ``resume_from``'s weights (a module of meta tensors
-        is built from that handoff instead), and its history starts, naming this call as where its weights are
-        from unless they are resumed."""
-        bound = None
-        if resume_from is not None and not on_meta:
-            tensors, bound = self._resume(resume_from)
-        history = new_history(self.module)
-        history.weights_from = dict(weights_from)
-        if resume_from is not None:
-            history.target = resume_from if on_meta else None
-            history.weights_from = {"resumed_from": resume_from.uri}
-            if bound is not None:  # written again where they were read, the weights still name their optimizer state
-                history.weights_from["optimizer"] = bound
-                history.bind_state(resume_from.uri, tensors)
-        return tensors, history
-
-    def _resume(self, source: HandoffTarget) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-        """Every rank loads and checks the handoff; none changes its module unless all can. Returns the module's
-        tensors and, where this stage's handoff is that same folder, the optimizer state its weights name (which
-        a write of the same weights there names again)."""
-
-        def read() -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
-            placed = load_for(self.module, source.uri, storage_options=source.storage_options,
-                              progress=None if collectives.rank() == 0 else False)  # one bar, on rank 0's terminal
-            if source.uri.rstrip("/") != self.target.uri.rstrip("/"):
-                return placed, None
-            bound = read_manifest(source.uri, storage_options=source.storage_options)["metadata"].get("optimizer")
-            return placed, bound
-
-        placed, bound = collectives.all_ranks(
-            read,
-            f"reading the handoff to resume from at {source.uri} (every rank reads it: a node-local path is "
-            "not visible from other nodes; use shared storage or an object store)",
-        )
-        zero_engine.strip_deepspeed_state(self.module, None)
-        assign_values(self.module, placed)
-        return state_tensors(self.module), bound
-
-    def _still_there(self, history: ModuleHistory, on_meta: bool) -> None:
-        """The handoff that holds the module's weights may have been deleted or damaged since it was written
-        (rank 0 looks; every rank acts on what it saw). A module with weights writes it again at this stage;
-        a module of meta tensors has nothing to write it from: its error is raised, naming the handoff."""
-        source = history.target
-        if source is None or history.fingerprint is None or self.writer.pending_uri == source.uri:
-            return
-        if source != self.target and not on_meta:
-            return  # the module's weights go to this stage's handoff in any case
-        absent = collectives.on_rank_zero(lambda: _absence(source), f"looking at the handoff {source.uri}")
-        if absent is None:
-            return
-        missing, error = absent
-        if on_meta:
-            raise (HandoffNotFoundError if missing else HandoffCorruptError)(
-                f"the module holds meta tensors, and the handoff that holds its weights is gone or damaged: {error}. "
-                "Nothing can rebuild them here: resume from another copy (resume_from=URI on a fresh module)"
-            )
-        log.warning("stagesafe: %s; this stage writes the module's weights there again", error)
-        history.lost()
-
-    def _build_from_handoff(self, history: ModuleHistory) -> HandoffReader:
-        """A module of meta tensors: the engine's partitions are built from the handoff that holds its weights,
-        one shard and one submodule at a time. Returns the handoff, the weights the stage starts with."""
-        source = history.target
-        if source is None:
-            raise InvalidArgumentError(
-                "the module holds meta tensors and no handoff holds its weights: pass resume_from=URI, or load "
-                "them with stagesafe.restore(module, uri) first"
-            )
-        if self.writer.pending_uri == source.uri:
-            self.writer.join()  # this stage reads the handoff: its write must be committed
-        reader = HandoffReader(source.uri, storage_options=source.storage_options)
-        materialize = self.options.materialize
-        assert materialize is not None
-        collectives.all_ranks(lambda: materialize(reader), f"building the engine's partitions from {source.uri}")
-        return reader
-
     def _prepare_end(self, history: ModuleHistory, tensors: Mapping[str, torch.Tensor]) -> None:
         """While the stage runs: the end's plan is made, and a training stage's host memory made ready; an
         inference stage, which ends with the weights it started with, has them written once its loop starts
         (:meth:`loop_started`) if no handoff holds them."""
         entry = self._entry
-        self._end.plan_for(self.module, tensors, original=history.original, built=entry.built, kept=set(entry.masters))
+        self.end.plan_for(self.module, tensors, original=history.original, built=entry.built, kept=set(entry.masters))
         if self.options.training:
             if not self.options.meta:
                 values = entry.values
                 assert isinstance(values, dict)
-                self._end.prepare_weights(self.module, values, history, built=entry.built, masters=entry.masters)
+                self.end.prepare_weights(self.module, values, history, built=entry.built, masters=entry.masters)
             return
         if entry.built or history.holds(self.target, tensors):
             return
@@ -314,13 +227,13 @@ class StageBoundary:
             values = {**entry.values, **entry.masters} if entry.masters else entry.values  # a reader stays lazy
             collectives.all_ranks(lambda: zero_engine.set_fp32_masters(self.module, values),
                                   "loading the fp32 master weights")
-        self._end.engine_built(engine, self.module, last_write=self.writer)
+        self.end.engine_built(engine, self.module, last_write=self.writer)
         self.report.enter_seconds += time.perf_counter() - start
 
     def optimizer_stepped(self, engine: Any) -> None:
         """After an optimizer step: the first time, the optimizer state it made is sized for the end's copy."""
         self._stepped = True
-        self._end.optimizer_stepped(engine)
+        self.end.optimizer_stepped(engine)
 
     def checkpoint_loaded(
         self, values: Mapping[str, torch.Tensor], engine_module: nn.Module, *, training: bool
@@ -359,14 +272,14 @@ class StageBoundary:
         history = self._entered()
         failure.attempt(self._join_last_write)  # one write at a time; its failure is raised once this stage is safe
         clock("join_last_write")
-        self._end.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
+        self.end.hold_kept_state()  # until the kept state's own copy: the weights' copies and this call first
         try:
             meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
             keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
                                      background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure,
                                      write=not failed or self._stepped, state=not failed)
         except BaseException:
-            self._end.release_kept_state_hold()  # no copy will come to end the hold
+            self.end.release_kept_state_hold()  # no copy will come to end the hold
             if history.kept is not None and history.kept.copied is not None:
                 history.kept.copied.set()  # nor one that a given-back optimizer's state may wait for
             raise
@@ -385,10 +298,10 @@ class StageBoundary:
     ) -> bool:
         """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device. ``state``: the
         optimizer state may be handed off (every rank ended the call well)."""
-        host = self._end.weights_ready()
+        host = self.end.weights_ready()
         clock("host_memory_ready")
         sources = self._weight_sources(engine, history, trained=trained, gather=gather)
-        keep_for = self._end.private_names if background else set()
+        keep_for = self.end.private_names if background else set()
         taken = self._take(sources, engine, history, host, keep_for, weights_from, failure)
         clock("consolidate")
         if taken.gathered is not None:  # of which: waiting for the device's copies (the rest is the host's)
@@ -403,7 +316,7 @@ class StageBoundary:
             history.bind_state(self.target.uri, restored)
         self._remember(kept, history, restored, copied=later is None)
         keeps_meta = self.options.meta and WeightSource.STREAMED not in taken.failed
-        copy_kept = self._end.kept_state_copy(later, history) if later is not None else None
+        copy_kept = self.end.kept_state_copy(later, history) if later is not None else None
         if not write and not keeps_meta:  # the module holds the weights: nothing is lost by writing none
             log.info("stagesafe: the %s call failed before any optimizer step: no handoff written; %s is as it was",
                      self.options.stage, self.target.uri)
@@ -518,8 +431,8 @@ class StageBoundary:
             return None
         source = {"written_by": "StageSafeDeepSpeedStrategy", "url": self.target.uri,
                   **{k: history.weights_from[k] for k in _SOURCE_KEYS if k in history.weights_from}}
-        bound = failure.attempt(lambda: write_optimizer_handoff(engine, self.target, source=source,
-                                                                phases=self.report.phases))
+        limit, phases = self.end.max_shard_size, self.report.phases
+        bound = failure.attempt(lambda: write_optimizer_handoff(engine, self.target, limit, source=source, phases=phases))
         if bound is None:
             return None
         history.weights_from["optimizer"] = bound
@@ -538,11 +451,11 @@ class StageBoundary:
             return None, None
         copies = None
         if later:
-            checkpoint, missing, copies = self._end.keep_engine_state_later(engine)
+            checkpoint, missing, copies = self.end.keep_engine_state_later(engine)
         else:
-            self._end.kept_state_ready()
+            self.end.kept_state_ready()
             clock("kept_host_memory_ready")
-            checkpoint, missing = self._end.keep_engine_state(engine)
+            checkpoint, missing = self.end.keep_engine_state(engine)
         clock("keep_engine_state")
         kept = KeptTraining(
             {}, masters=_masters_in(taken.values or {}, history), checkpoint=checkpoint, missing=missing,
@@ -581,7 +494,7 @@ class StageBoundary:
                 history.kept.drop_views()  # no view outlives the state it looks into
             history.kept = dataclasses.replace(kept, fingerprint=fingerprint(restored))
         if copied:
-            self._end.release_kept_state()
+            self.end.release_kept_state()
 
     def _publish(
         self,
@@ -603,11 +516,11 @@ class StageBoundary:
         forget = (lambda: forget_optimizer_handoff(self.target, state_folder)) if state_folder is not None else None
         if WeightSource.STREAMED in taken.failed:
             history.lost()  # its write failed: the next stage writes the weights the module now holds
-            self._end.unlock()
+            self.end.unlock()
         elif handoff is None or history.holds(self.target, restored):
-            self._end.unlock()
+            self.end.unlock()
         elif not gather:
-            self._end.unlock()
+            self.end.unlock()
             self._publisher.alone(history, handoff)
         else:
             keep = keep if background else None
@@ -648,17 +561,6 @@ def _meta_tensors(
         for name, (shape, _) in specs.items()
         if name in history.original
     }
-
-
-def _absence(target: HandoffTarget) -> tuple[bool, str] | None:
-    """Why the handoff at ``target`` is not there whole (``missing``: it is gone), or None."""
-    try:
-        check_present(target.uri, storage_options=target.storage_options)
-    except HandoffNotFoundError as exc:
-        return True, str(exc)
-    except HandoffCorruptError as exc:
-        return False, str(exc)
-    return None
 
 
 def _join_elsewhere(history: ModuleHistory | None, writer: HandoffWriter) -> None:

@@ -2,7 +2,8 @@
 for, :mod:`~stagesafe.stages.ownership`), that folder's writer (made once the ranks agree where the folder is,
 :mod:`~stagesafe.stages.location`), the count of calls, how the last one ended (for the collectives that follow,
 :mod:`~stagesafe.stages.collective_guard`), and the failure of the last write, until a write commits or the user
-acknowledges it. No Lightning here: the strategy passes what it knows of the Trainer."""
+acknowledges it, the boundary of the call under way and the report of the last one's. No Lightning here: the
+strategy passes what it knows of the Trainer."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ from typing import Any
 
 from torch import nn
 
+from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import InvalidArgumentError
+from stagesafe.stages.boundary import StageBoundary
 from stagesafe.stages.channel import Ending, JobChannel, agree_on_ending
 from stagesafe.stages.collective_guard import CollectiveGuard
 from stagesafe.stages.history import HandoffTarget, history_of
@@ -46,21 +49,19 @@ class CallSeries:
         self.location: tuple[str, Location] | None = None
         self.guard = CollectiveGuard()  # how the last calls ended, for the collectives that follow
         self._claimed: dict[str, str] = {}  # the folder asked for -> the one this run writes (see ownership)
+        self.boundary: StageBoundary | None = None  # the boundary of the call under way, between setup and teardown
+        self.last_report: BoundaryReport | None = None  # the last call's boundary's (None before the first ended)
 
-    def target(
-        self, asked: str, *, named: bool, max_shard_size: int | str, on_versioned: Callable[[str, str], None]
-    ) -> HandoffTarget:
-        """The folder this run writes for ``asked``, its shards at most ``max_shard_size``: claimed at its first
-        call, every rank together (``named``: the user named it; ``on_versioned(asked, taken)``: a default folder
-        gave way to a versioned one)."""
+    def target(self, asked: str, *, named: bool, on_versioned: Callable[[str, str], None]) -> HandoffTarget:
+        """The folder this run writes for ``asked``: claimed at its first call, every rank together (``named``: the
+        user named it; ``on_versioned(asked, taken)``: a default folder gave way to a versioned one)."""
         if asked not in self._claimed:
             uri = claim_folder(asked, self.storage_options, named=named, resume_from=self.resume_from,
                                overwrite=self.overwrite)
             if uri != asked:
                 on_versioned(asked, uri)
             self._claimed[asked] = uri
-        return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options,
-                             max_shard_size=max_shard_size)
+        return HandoffTarget(uri=self._claimed[asked], storage_options=self.storage_options)
 
     def writer_for(
         self,
@@ -88,7 +89,8 @@ class CallSeries:
             )
         self.location = (target.uri, location)
         channel = JobChannel.of_job(f"stagesafe/{location.writer_id}", timeout=timeout)
-        self.writer = HandoffWriter(channel, writers=location.writers, timeout=timeout, on_commit=on_commit)
+        self.writer = HandoffWriter(channel, target.uri, storage_options=target.storage_options,
+                                    writers=location.writers, timeout=timeout, on_commit=on_commit)
         return self.writer
 
     def writers(self, module: nn.Module | None) -> list[HandoffWriter]:

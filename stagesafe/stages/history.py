@@ -19,8 +19,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.sizes import DEFAULT_MAX_SHARD_SIZE
-
 if TYPE_CHECKING:
     from stagesafe.stages.writer import HandoffWriter
     from stagesafe.zero.engine.optimizer_views import OptimizerViews
@@ -38,7 +36,6 @@ class HandoffTarget:
 
     uri: str
     storage_options: Mapping[str, Any] | None = None
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE
 
 
 @dataclass

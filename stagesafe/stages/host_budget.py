@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from stagesafe.errors import HostMemoryError
 from stagesafe.stages import collectives
 
-__all__ = ["Headroom", "Needs", "check", "headroom", "shortfalls"]
+__all__ = ["Headroom", "Needs", "check", "headroom", "memory_cgroups", "shortfalls"]
 
 GIB = 2**30
 MARGIN = 2 * GIB  # left to everything else on the host: the interpreter's own growth, the page cache
@@ -136,7 +136,7 @@ def _mem_available(proc: str) -> int:
 def _cgroup_limits(proc: str, sys_fs: str) -> list[tuple[str, int, int]]:
     """(cgroup, limit, free) of every cgroup this process is in, or an ancestor of it, that limits memory."""
     found = []
-    for version, folder, root in _memory_cgroups(proc, sys_fs):
+    for version, folder, root in memory_cgroups(proc, sys_fs):
         path = folder
         while True:
             limit, free = _limit_and_free(version, path)
@@ -151,7 +151,7 @@ def _cgroup_limits(proc: str, sys_fs: str) -> list[tuple[str, int, int]]:
     return found
 
 
-def _memory_cgroups(proc: str, sys_fs: str) -> list[tuple[int, str, str]]:
+def memory_cgroups(proc: str, sys_fs: str) -> list[tuple[int, str, str]]:
     """(version, this process's cgroup folder, the hierarchy's mount point) for each memory hierarchy."""
     try:
         with open(os.path.join(proc, "self", "cgroup")) as f:

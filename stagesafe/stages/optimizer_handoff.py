@@ -26,11 +26,10 @@ from stagesafe.handoff.names import INDEX_NAME
 from stagesafe.handoff.optimizer_state import FormGroup, binding, form_metadata, new_folder, remove_state, state_name
 from stagesafe.handoff.plan import plan_specs
 from stagesafe.handoff.shards import ShardRecord, write_shards
-from stagesafe.handoff.sizes import parse_size
 from stagesafe.stages import collectives
 from stagesafe.stages.history import HandoffTarget
 from stagesafe.storage.folder import Folder
-from stagesafe.storage.fs import join, list_files, resolve
+from stagesafe.storage.fs import join, resolve
 from stagesafe.zero.engine.optimizer_out import EngineOptimizer, StateGather, describe_optimizer
 
 __all__ = ["STAGING", "write_optimizer_handoff", "forget_optimizer_handoff"]
@@ -38,11 +37,12 @@ __all__ = ["STAGING", "write_optimizer_handoff", "forget_optimizer_handoff"]
 STAGING = 512 * 2**20  # bytes of state in one shard: rank 0 holds one, and its gather, at a time (about 1 GiB)
 
 
-def write_optimizer_handoff(engine: Any, target: HandoffTarget, *, source: Mapping[str, Any],
+def write_optimizer_handoff(engine: Any, target: HandoffTarget, max_shard_size: int, *, source: Mapping[str, Any],
                             phases: dict[str, float] | None = None) -> dict[str, Any]:
-    """Write the engine's optimizer state per parameter into a new folder of ``target`` and commit it; return,
-    on every rank, the weights' metadata entry that binds it (:func:`~stagesafe.handoff.optimizer_state.binding`).
-    Every rank calls it, in step. ``source``: what the form's JSON says it came from."""
+    """Write the engine's optimizer state per parameter into a new folder of ``target``, in shards of at most
+    ``max_shard_size`` bytes, and commit it; return, on every rank, the weights' metadata entry that binds it
+    (:func:`~stagesafe.handoff.optimizer_state.binding`). Every rank calls it, in step. ``source``: what the form's
+    JSON says it came from."""
     start = time.perf_counter()
     described = collectives.all_ranks(lambda: describe_optimizer(engine),
                                       "reading the optimizer state to hand off beside the weights")
@@ -51,7 +51,7 @@ def write_optimizer_handoff(engine: Any, target: HandoffTarget, *, source: Mappi
     pairs = {state_name(key, name): (key, name) for name, _, _ in described.trained for key in described.keys}
     shapes = {name: shape for name, shape, _ in described.trained}
     specs = {stored: {"dtype": "float32", "shape": list(shapes[name])} for stored, (_, name) in pairs.items()}
-    limit = min(parse_size(target.max_shard_size), STAGING)
+    limit = min(max_shard_size, STAGING)
     values: dict[str, torch.Tensor] = {}
     plan = plan_specs(specs, {}, max_shard_size=limit, state_dict=values)  # the same shards on every rank
     writing = _Writing(target) if collectives.rank() == 0 else None
@@ -78,7 +78,7 @@ class _Writing:
         self.folder = self.state_root = ""
         try:  # a failure here too waits for the gathers to run out: the other ranks are in them
             self.fs, self.root = resolve(target.uri, dict(target.storage_options or {}))
-            self.folder = new_folder(set(list_files(self.fs, self.root, kind="directory")))
+            self.folder = new_folder(self.fs, self.root)
             self.state_root = join(self.root, self.folder)
         except BaseException as exc:  # noqa: BLE001 - raised at the commit
             self.error = exc

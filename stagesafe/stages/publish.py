@@ -52,6 +52,7 @@ class HandoffPublisher:
     def __init__(
         self, module: nn.Module, target: HandoffTarget, writer: HandoffWriter, end: StageEnd, report: BoundaryReport
     ) -> None:
+        assert writer.uri == target.uri, "the boundary's writer is the writer of its handoff's folder"
         self._module = module
         self._target = target
         self._writer = writer
@@ -85,9 +86,6 @@ class HandoffPublisher:
         request = WriteRequest(
             values=private,
             plan=plan,
-            uri=self._target.uri,
-            storage_options=self._target.storage_options,
-            max_shard_size=self._end.max_shard_size,
             metadata=handoff_metadata(history, self._target.uri, tensors),
             fill=fill,
             unlock=self._end.after_call,
@@ -106,9 +104,8 @@ class HandoffPublisher:
         history.lost()
         target, metadata = self._target, handoff_metadata(history)
         self._writer.write_alone(
-            lambda: save_state_dict(values, target.uri, max_shard_size=target.max_shard_size, overwrite=True,
+            lambda: save_state_dict(values, target.uri, max_shard_size=self._end.max_shard_size, overwrite=True,
                                     metadata=metadata, storage_options=target.storage_options),
-            target.uri,
         )
 
     def streamed(self, history: ModuleHistory, entry: Mapping[str, torch.Tensor], metadata: Mapping[str, Any]) -> None:
@@ -116,7 +113,7 @@ class HandoffPublisher:
         joins each gather), so host memory stays near one tensor; ``entry``: the weights the stage started
         with, which unchanged 16-bit values are given back as."""
         values = StreamedValues(self._module, history.original, entry)
-        target = self._target
+        target, limit = self._target, self._end.max_shard_size
 
         def write() -> None:
             if collectives.rank() != 0:
@@ -124,7 +121,7 @@ class HandoffPublisher:
                 return
             try:
                 save_streamed(
-                    values.specs, values.aliases, values, target.uri, max_shard_size=target.max_shard_size,
+                    values.specs, values.aliases, values, target.uri, max_shard_size=limit,
                     metadata=metadata, storage_options=target.storage_options,
                 )
             finally:

@@ -4,7 +4,7 @@ After a stage every rank holds the whole state dict (``between_stages="cpu"``), 
 the shards: write bandwidth, hashing, and the private copies a background write reads from are split across
 ranks, and each rank's writer competes only with its own process for the GIL. Each rank plans alike, from the
 same tensors and the write's key (the shard names' tag), and follows the handoff's one commit protocol
-(:func:`~stagesafe.publishing.protocol.write_and_commit`): it writes its share and posts its shards' digests, or its
+(:func:`~stagesafe.publishing.commit.write_and_commit`): it writes its share and posts its shards' digests, or its
 error, on the job's key-value store (:class:`ChannelExchange`); rank 0 commits once it has heard from every
 writing rank, or deletes every shard of the write and fails, leaving the committed handoff as it was. With one
 writing rank (the ranks do not see one folder), rank 0 writes everything.
@@ -17,13 +17,11 @@ from typing import Any
 
 import torch
 
-from stagesafe.publishing.commit import Commit
 from stagesafe.handoff.manifest import check_metadata
 from stagesafe.handoff.names import tag_for
 from stagesafe.handoff.plan import HandoffPlan, dtype_name
-from stagesafe.publishing.protocol import write_and_commit
+from stagesafe.publishing.commit import Commit, write_and_commit
 from stagesafe.handoff.shards import ShardRecord
-from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages.channel import JobChannel, Outcome, failures
 from stagesafe.storage.fs import resolve
 
@@ -51,22 +49,19 @@ def names_written_by(plan: HandoffPlan, *, rank: int, writers: int) -> set[str]:
 
 def write_share(
     values: Mapping[str, torch.Tensor],
+    plan: HandoffPlan,
     uri: str,
     storage_options: Mapping[str, Any] | None,
     *,
-    max_shard_size: int | str,
     channel: JobChannel,
     writers: int,
     metadata: Mapping[str, Any],
-    plan: HandoffPlan | None = None,
 ) -> Commit | None:
-    """This rank's shards (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose :class:`Commit` it
-    returns. ``plan``: the handoff's plan, made before (``values`` then need hold only this rank's names); by
-    default it is made from ``values``. ``channel`` holds this write's keys (their prefix tags the shard names)."""
+    """This rank's shards of ``plan`` (ranks ``0 .. writers-1`` write); on rank 0, then the commit, whose
+    :class:`Commit` it returns. ``values`` hold at least this rank's names. ``channel`` holds this write's keys
+    (their prefix tags the shard names)."""
     fs, root = resolve(uri, dict(storage_options or {}))
     metadata = check_metadata(metadata)
-    if plan is None:
-        plan = plan_handoff(values, max_shard_size=max_shard_size)
     plan = plan.tagged(tag_for(channel.prefix), state_dict=values)
     mine = [file for file, owner in owners(plan, writers).items() if owner == channel.rank]
     _check_values(plan, mine)
@@ -75,7 +70,7 @@ def write_share(
 
 
 class ChannelExchange:
-    """The commit protocol's :class:`~stagesafe.publishing.protocol.RecordExchange` over the job's key-value store:
+    """The commit protocol's :class:`~stagesafe.publishing.commit.RecordExchange` over the job's key-value store:
     each rank posts its shards' records, or its error, under ``shards/<rank>`` of the write's channel."""
 
     def __init__(self, channel: JobChannel, writers: int) -> None:

@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from stagesafe.handoff.sizes import parse_size
 from stagesafe.handoff.plan import HandoffPlan, dtype_name, plan_specs
 from stagesafe.handoff.tensor_plan import plan_handoff
 from stagesafe.stages import collectives, host_budget, page_lock
@@ -77,7 +76,7 @@ class StageEnd:
         self,
         *,
         device: torch.device | None,
-        max_shard_size: int | str,
+        max_shard_size: int,
         writers: int,
         training: bool,
         keep_optimizer_state: bool,
@@ -86,7 +85,7 @@ class StageEnd:
         check_memory: bool = True,
         module_holds_weights: bool = True,
     ) -> None:
-        self.max_shard_size = parse_size(max_shard_size)  # once: everything downstream gets the number
+        self.max_shard_size = max_shard_size  # bytes, parsed once by the strategy
         self._lock_on = device if device is not None and device.type == "cuda" else None
         self._writers = writers
         self._training = training

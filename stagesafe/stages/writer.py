@@ -39,12 +39,9 @@ from typing import Any
 import torch
 
 from stagesafe.errors import DistributedStageError, HandoffNotFoundError, describe
-from stagesafe.storage.fs import resolve
-from stagesafe.handoff.names import is_commit_of
 from stagesafe.handoff.plan import HandoffPlan
-from stagesafe.storage.retry import RetryPolicy
 from stagesafe.publishing.commit import Commit, remove_replaced
-from stagesafe.handoff.read import read_manifest
+from stagesafe.handoff.read import is_live_commit
 from stagesafe.stages.channel import JobChannel, Outcome, quoted
 from stagesafe.stages.shared_write import write_share
 
@@ -57,24 +54,21 @@ _EXIT_ACK_WAIT = 60.0  # seconds rank 0 stays at exit for the others to read the
 
 @dataclass
 class WriteRequest:
-    """One handoff to write: ``values`` (those of the shards this rank writes, private copies of them in the
-    background), ``plan`` (the handoff's plan, made when the stage started; None: planned from ``values``,
-    which then hold every name), where, and hooks for the device work: ``fill`` completes the private copies
-    in ``values``; ``unlock`` unlocks page-locked host memory once the Trainer call has returned (before that it
-    would stall the call's own CUDA calls); ``on_failed`` runs on every rank once the write is known to have
-    failed. This rank lets go of ``values`` once its share is written."""
+    """One handoff to write, into the writer's folder: ``values`` (those of the shards this rank writes, private
+    copies of them in the background), ``plan`` (the handoff's plan, made when the stage started), and hooks for
+    the device work: ``fill`` completes the private copies in ``values``; ``unlock`` unlocks page-locked host
+    memory once the Trainer call has returned (before that it would stall the call's own CUDA calls);
+    ``on_failed`` runs on every rank once the write is known to have failed. This rank lets go of ``values``
+    once its share is written."""
 
     values: Mapping[str, torch.Tensor]
-    uri: str
-    storage_options: Mapping[str, Any] | None
-    max_shard_size: int | str
+    plan: HandoffPlan
     metadata: Mapping[str, Any]
     fill: Callable[[], None] | None = None
     unlock: Callable[[], None] | None = None
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the boundary's report
     on_failed: Callable[[], None] | None = None  # called on every rank when the write is known to have failed
     keep: Callable[[], None] | None = None  # more device work once the private copies are made: the kept state's
-    plan: HandoffPlan | None = None
 
 
 class WriteState(str, enum.Enum):
@@ -90,14 +84,14 @@ class WriteState(str, enum.Enum):
         """Nothing more will happen to the write: it is committed or failed."""
         return self in (WriteState.COMMITTED, WriteState.FAILED)
 
-
-def _state_of(copied: concurrent.futures.Future, committed: concurrent.futures.Future) -> WriteState:
-    """The state two futures say (``copied`` resolves first, ``committed`` after it; each once)."""
-    if any(f.done() and f.exception() is not None for f in (copied, committed)):
-        return WriteState.FAILED
-    if committed.done():
-        return WriteState.COMMITTED
-    return WriteState.WRITING if copied.done() else WriteState.COPYING
+    @classmethod
+    def of(cls, copied: concurrent.futures.Future, committed: concurrent.futures.Future) -> WriteState:
+        """The state a write's two futures say (``copied`` resolves first, ``committed`` after it; each once)."""
+        if any(f.done() and f.exception() is not None for f in (copied, committed)):
+            return cls.FAILED
+        if committed.done():
+            return cls.COMMITTED
+        return cls.WRITING if copied.done() else cls.COPYING
 
 
 class _Step(concurrent.futures.Future):
@@ -116,8 +110,11 @@ class _Step(concurrent.futures.Future):
 class _Write:
     """One write on this rank: its two futures (its state), its threads, and the call's return (an input)."""
 
-    def __init__(self, request: WriteRequest, channel: JobChannel, *, writes_here: bool, writers: int) -> None:
+    def __init__(
+        self, request: WriteRequest, writer: HandoffWriter, channel: JobChannel, *, writes_here: bool, writers: int
+    ) -> None:
         self.request = request
+        self.uri, self.storage_options = writer.uri, writer.storage_options  # the writer's folder
         self.channel = channel
         self.writes_here = writes_here
         self.writers = writers
@@ -128,18 +125,15 @@ class _Write:
         self.threads: list[_WriteThread] = []  # the device work's, then the writing's
 
     @property
-    def uri(self) -> str:
-        return self.request.uri
-
-    @property
     def state(self) -> WriteState:
         """Read from the futures, never set apart from them. Committed is rank 0's word: another rank's write
         is writing until it has read that word."""
-        return _state_of(self.copied, self.committed)
+        return WriteState.of(self.copied, self.committed)
 
 
 class HandoffWriter:
-    """Writes a strategy's handoffs in the background, one at a time, and joins them on every rank.
+    """Writes the handoffs of one folder, ``uri`` (fsspec's ``storage_options`` for it), in the background, one at
+    a time, and joins them on every rank.
 
     ``writers``: how many ranks write shares (every rank when all see the handoff folder, else only rank 0).
     ``timeout``: seconds any wait for another rank, or for this rank's own threads, may last. ``on_commit``:
@@ -149,12 +143,15 @@ class HandoffWriter:
     def __init__(
         self,
         channel: JobChannel,
+        uri: str,
         *,
+        storage_options: Mapping[str, Any] | None = None,
         writers: int,
         timeout: float,
         on_commit: Callable[[str, Commit, float], None] | None = None,
     ) -> None:
         self._channel = channel
+        self.uri, self.storage_options = uri, storage_options
         self._on_commit = on_commit  # rank 0, in the writer's thread: (uri, commit, seconds) once committed
         self.writers = writers
         self.timeout = timeout
@@ -187,6 +184,19 @@ class HandoffWriter:
         """The state of the write not yet joined, on this rank; None when there is none."""
         return self._write.state if self._write is not None else None
 
+    @property
+    def copied(self) -> concurrent.futures.Future | None:
+        """The write not yet joined: the future of its private copies off the device (None, or the error making
+        them); None when there is none. Waiting on it joins nothing, as ``async_save``'s staging future."""
+        return self._write.copied if self._write is not None else None
+
+    @property
+    def committed(self) -> concurrent.futures.Future | None:
+        """The write not yet joined: the future of its commit (rank 0's :class:`Commit`; None on the other ranks
+        once rank 0 said it committed), or its failure; None when there is none. Waiting on it joins nothing:
+        the next call's entry, :meth:`join` or the exit still does."""
+        return self._write.committed if self._write is not None else None
+
     # -- starting -----------------------------------------------------------------------------------------
     def start(self, request: WriteRequest) -> None:
         """Start writing ``request`` in the background (every rank calls this, in step). The previous write
@@ -195,11 +205,11 @@ class HandoffWriter:
             raise RuntimeError("stagesafe: a handoff write was started before the previous one was joined")
         self._count += 1
         channel = self._channel.sub(f"write-{self._count}")
-        write = _Write(request, channel, writes_here=self.rank < self.writers, writers=self.writers)
+        write = _Write(request, self, channel, writes_here=self.rank < self.writers, writers=self.writers)
         self._write = write
         self._register_exit_hook()
-        _WriteThread(f"stagesafe-handoff-device {request.uri}", self._copy, write, self).start()
-        _WriteThread(f"stagesafe-handoff-write {request.uri}", self._write_and_settle, write, self).start()
+        _WriteThread(f"stagesafe-handoff-device {write.uri}", self._copy, write, self).start()
+        _WriteThread(f"stagesafe-handoff-write {write.uri}", self._write_and_settle, write, self).start()
 
     def _copy(self, write: _Write) -> None:
         """The device thread: the private copies off the device (resolves ``copied``), then, once the call has
@@ -243,13 +253,12 @@ class HandoffWriter:
             if write.writes_here:
                 commit = write_share(
                     request.values,
-                    request.uri,
-                    request.storage_options,
-                    max_shard_size=request.max_shard_size,
+                    request.plan,
+                    write.uri,
+                    write.storage_options,
                     channel=write.channel,
                     writers=write.writers,
                     metadata=request.metadata,
-                    plan=request.plan,
                 )
         except BaseException as exc:  # noqa: BLE001 - a thread reports what ended it, an interrupt too
             error = exc  # the joiners raise it
@@ -293,17 +302,17 @@ class HandoffWriter:
         request = write.request
         if self._on_commit is not None:
             try:
-                self._on_commit(request.uri, commit, time.perf_counter() - start)
+                self._on_commit(write.uri, commit, time.perf_counter() - start)
             except Exception as exc:  # noqa: BLE001 - only a message is at stake
-                log.warning("stagesafe: could not report the commit of %s (%s)", request.uri, exc)
+                log.warning("stagesafe: could not report the commit of %s (%s)", write.uri, exc)
         removing = time.perf_counter()
         try:
-            remove_replaced(*resolve(request.uri, dict(request.storage_options or {})), commit)
+            remove_replaced(commit)
         except Exception as exc:  # noqa: BLE001 - committed: leftovers go with a later save
             log.warning("stagesafe: could not delete the replaced handoff's files (%s)", exc)
         request.phases["handoff_write_remove_replaced"] = time.perf_counter() - removing
 
-    def write_alone(self, write: Callable[[], None], uri: str) -> None:
+    def write_alone(self, write: Callable[[], None]) -> None:
         """After a Trainer call that failed on some rank, when no rank may wait for another inside the call
         (every rank calls this, in step, as it calls :meth:`start`): rank 0 writes the handoff now, alone, and
         posts how it went; a failure is logged (the stage's own error is the one raised). The other ranks only
@@ -311,7 +320,7 @@ class HandoffWriter:
         sees the committed handoff. The exit does not wait: a rank that failed must not stay for one still
         stuck in a collective."""
         self._count += 1
-        channel = self._channel.sub(f"write-{self._count}")
+        channel, uri = self._channel.sub(f"write-{self._count}"), self.uri
         if self.rank != 0:
             self._alone = (channel, uri)
             return
@@ -494,17 +503,17 @@ class _WriteThread(threading.Thread):
 
 
 def _committed_or_not(write: _Write | None) -> str:
-    """What is true of an interrupted write, from the manifest there now: a commit may have landed just before."""
+    """What is true of an interrupted write, asked of the handoff there now: a commit may have landed just before."""
     if write is None:
         return "whether it was committed is unknown: run stagesafe verify on it"
     try:
-        options = dict(write.request.storage_options or {})
-        manifest = read_manifest(write.uri, storage_options=options, retry=RetryPolicy(attempts=1))
+        options = dict(write.storage_options or {})
+        live = is_live_commit(write.uri, write.channel.prefix, storage_options=options)
     except HandoffNotFoundError:
         return "it was not committed: the folder holds no handoff"
     except Exception as exc:  # noqa: BLE001 - unreadable: said as such
         return f"whether it was committed could not be read ({describe(exc)}): run stagesafe verify on it"
-    if is_commit_of(manifest["shards"], write.channel.prefix):
+    if live:
         return "it was committed before the interrupt: the handoff holds this write's weights"
     return "it was not committed: the handoff there holds an earlier write's weights, unchanged"
 

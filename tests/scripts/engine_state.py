@@ -39,7 +39,7 @@ from toy import ToyModule, dataloader  # noqa: E402
 
 import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 STEPS_PER_EPOCH = 4  # 32 samples, 2 ranks, batches of 4 (on a GPU: 8 sequences, 1 device, batches of 2)
 GPU = os.environ.get("ENGINE_STATE_GPU") == "1"

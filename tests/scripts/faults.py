@@ -20,6 +20,7 @@ on rank 0, the handoff's digest and metadata once joined.
 
 from __future__ import annotations
 
+import concurrent.futures
 import datetime
 import json
 import os
@@ -34,6 +35,7 @@ import torch  # noqa: E402
 from toy import ToyModule, dataloader, state_digest, state_digest_of  # noqa: E402
 
 import stagesafe  # noqa: E402
+from stagesafe.stages.history import history_of  # noqa: E402
 
 TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("FAULT_PG_TIMEOUT", "20")))
 RANK = int(os.environ["RANK"])
@@ -74,7 +76,7 @@ def record(stage: str, module, call, *, handoff: str | None = None) -> None:
 def trainer(root: str, handoff: str, **kwargs) -> pl.Trainer:
     max_steps = kwargs.pop("max_steps", 4)
     if os.environ.get("FAULT_STRATEGY") == "stock":  # the control: Lightning's strategy, CPU refusal lifted
-        from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+        from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 
         strategy = CPUCapableDeepSpeedStrategy(stage=3, timeout=TIMEOUT)
     else:
@@ -100,7 +102,7 @@ def main() -> None:
         return  # the write fails as the script ends: the process must not exit 0
     if case == "disk_full_then_fit":
         record("fit", module, fit)
-        t.strategy._series.writer._write.committed.wait(60)  # known to have failed before the next call starts
+        concurrent.futures.wait([history_of(module).writer.committed], timeout=60)  # failed before the next call
         t.fit_loop.epoch_loop.max_steps = 8  # room for the same Trainer to fit again
         record("fit", module, fit)  # raises the failure at its entry
         t2 = trainer(root, os.path.join(root, "elsewhere"), max_steps=2)

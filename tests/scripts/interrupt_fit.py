@@ -25,7 +25,7 @@ import torch
 from toy import ToyModule, dataloader, probe, quiet_trainer, state_digest_of
 
 from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict
-from stagesafe.stages.boundary import assert_clean
+from stagesafe.stages.stage_entry import assert_clean
 
 INTERRUPT_AT = 2
 

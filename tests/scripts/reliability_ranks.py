@@ -36,7 +36,7 @@ import torch
 from toy import ToyModule, dataloader, probe, quiet_trainer, state_digest, state_digest_of
 
 from stagesafe import StageSafeDeepSpeedStrategy, load_state_dict, save_state_dict
-from stagesafe.stages.boundary import assert_clean
+from stagesafe.stages.stage_entry import assert_clean
 
 INTERRUPT_AT = 2
 ONE_RANK_TIMEOUT = 5  # seconds: the process group's timeout in the one_rank_fails run

@@ -51,7 +51,7 @@ class BigModule(pl.LightningModule):
 
 
 def save(args: argparse.Namespace) -> dict:
-    from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+    from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 
     pl.seed_everything(1, verbose=False)
     module = BigModule(args.hidden, args.layers)

@@ -18,6 +18,7 @@ A spec may also name "case_groups" built by matrix_cases / scenario_cases below.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -40,7 +41,8 @@ from fsspec.implementations.memory import MemoryFileSystem  # noqa: E402
 
 import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.stages.history import history_of  # noqa: E402
 
 
 class GatedMemoryFileSystem(MemoryFileSystem):
@@ -314,7 +316,7 @@ def run_case(case: dict, spec: dict) -> dict:
             record["error"] = f"{type(exc).__name__}: {exc}"
             record["traceback"] = traceback.format_exc()[-3000:]
         if index == case.get("background_failure"):  # not joined: the next call raises the failure
-            strategy._series.writer._write.committed.wait(60)  # peeked at, so that the next call's entry already knows
+            concurrent.futures.wait([history_of(module).writer.committed], timeout=60)  # known at the next entry
         if limited:
             resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
         record["master_max_abs_diff"] = master_probe.max_abs_diff

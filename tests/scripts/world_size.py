@@ -45,7 +45,7 @@ from toy import ToyModule, dataloader  # noqa: E402
 
 import stagesafe  # noqa: E402
 from stagesafe import StageSafeDeepSpeedStrategy  # noqa: E402
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy  # noqa: E402
 
 
 class AdamWModule(ToyModule):

@@ -10,7 +10,7 @@ from typing import Any
 
 from typing_extensions import override
 
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.stages.call_series import CallSeries
 
 __all__ = ["GuardedCollectives"]
@@ -19,7 +19,7 @@ __all__ = ["GuardedCollectives"]
 class GuardedCollectives(CPUCapableDeepSpeedStrategy):
     """Lightning's DeepSpeed strategy whose collectives go through the guard of its :class:`CallSeries`."""
 
-    _series: CallSeries
+    call_series: CallSeries  # what the strategy's Trainer calls share, the guard of their collectives among it
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
@@ -48,5 +48,5 @@ class GuardedCollectives(CPUCapableDeepSpeedStrategy):
 
     def _collective(self) -> contextlib.AbstractContextManager[None]:
         """No collective while a writer needs the device; after a failed call the ranks meet first."""
-        return self._series.collective(self.lightning_module)
+        return self.call_series.collective(self.lightning_module)
 

@@ -14,7 +14,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from stagesafe.boundary_report import BoundaryReport
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.errors import HandoffNotReadyError, describe
 from stagesafe.stages.call_series import CallSeries
 from stagesafe.trainer_messages import boundary_line
@@ -27,8 +27,7 @@ log = logging.getLogger("stagesafe.strategy")  # the strategy's logger: its line
 class HandoffWaits(CPUCapableDeepSpeedStrategy):
     """Lightning's DeepSpeed strategy whose Trainer calls may return before their handoff is written."""
 
-    _series: CallSeries
-    _last_boundary: BoundaryReport | None
+    call_series: CallSeries  # what the strategy's Trainer calls share: its writer and last report among it
     wait_for_write: bool
 
     @property
@@ -36,7 +35,7 @@ class HandoffWaits(CPUCapableDeepSpeedStrategy):
         """The report of the last Trainer call's boundary (None before the first call ended): its stage, the
         handoff's URL, seconds spent leaving and entering, seconds per phase, whether it wrote the handoff,
         and whether the module came back clean. A background write adds its phases once it is done."""
-        return self._last_boundary
+        return self.call_series.last_report
 
     def wait_for_handoff(self) -> None:
         """Return once the last stage's handoff is committed (raise its failure on every rank). Call it on
@@ -44,7 +43,7 @@ class HandoffWaits(CPUCapableDeepSpeedStrategy):
         raises :class:`~stagesafe.HandoffNotReadyError` until a write commits or
         :meth:`acknowledge_handoff_failure` is called: the folder does not hold the module's weights."""
         try:
-            self._series.join(self.lightning_module)
+            self.call_series.join(self.lightning_module)
         finally:
             if self.last_boundary is not None:
                 self._log_boundary(self.last_boundary, waited=True)
@@ -61,12 +60,13 @@ class HandoffWaits(CPUCapableDeepSpeedStrategy):
         """Go on after a failed handoff write: ``wait_for_handoff()`` and the boundary's log line stop saying
         it (on this rank: call it on every rank). The module keeps its weights; the next call writes them.
         The last boundary's report then says what the folder holds: no write of that stage (``wrote=False``)."""
-        failed = self._series.acknowledge(self.lightning_module)
-        if failed is not None and self._last_boundary is not None and self._last_boundary.uri == failed[0]:
-            self._last_boundary = dataclasses.replace(self._last_boundary, wrote=False)
+        series = self.call_series
+        failed = series.acknowledge(self.lightning_module)
+        if failed is not None and series.last_report is not None and series.last_report.uri == failed[0]:
+            series.last_report = dataclasses.replace(series.last_report, wrote=False)
 
     def _handoff_failure(self) -> tuple[str, BaseException] | None:
-        return self._series.failure(self.lightning_module)
+        return self.call_series.failure(self.lightning_module)
 
     def _log_boundary(self, report: BoundaryReport, *, waited: bool) -> None:
         if self.is_global_zero:
@@ -74,7 +74,7 @@ class HandoffWaits(CPUCapableDeepSpeedStrategy):
 
     def _stage_returned(self) -> None:
         """The Trainer call is about to return: join the write if asked to, else only report the boundary."""
-        self._series.call_returned(self.lightning_module)  # Lightning's teardown is over
+        self.call_series.call_returned(self.lightning_module)  # Lightning's teardown is over
         if self.wait_for_write:
             self.wait_for_handoff()
         elif self.last_boundary is not None:

@@ -1,4 +1,4 @@
-"""strategy_write_wait.py: the handoff's write as the user sees it, in this process (one rank, a real writer of
+"""strategy_bases/handoff_waits.py: the handoff's write as the user sees it, in this process (one rank, a real writer of
 a real folder, no Trainer). A failed write is raised by ``wait_for_handoff`` until acknowledged, and the report
 then says that no write of that stage is there; the Trainer's last hook of a call reports the boundary, or waits
 for the write when asked to."""
@@ -13,7 +13,7 @@ import pytest
 from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import HandoffNotReadyError
 from stagesafe.stages.call_series import CallSeries
-from stagesafe.strategy_write_wait import HandoffWaits, StageReturned
+from stagesafe.strategy_bases.handoff_waits import HandoffWaits, StageReturned
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -22,15 +22,15 @@ class _Strategy(HandoffWaits):
     def __init__(self, root, *, wait_for_write: bool = False) -> None:
         super().__init__()
         self.wait_for_write = wait_for_write
-        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
-        target = self._series.target(str(root / "handoff"), named=True, max_shard_size="1MB", on_versioned=print)
-        self.writer = self._series.writer_for(target, None, world_size=1, meta=False, timeout=30.0, on_commit=print)
-        self._last_boundary = BoundaryReport(stage="fit", uri=target.uri, wrote=True)
+        self.call_series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
+        target = self.call_series.target(str(root / "handoff"), named=True, on_versioned=print)
+        self.writer = self.call_series.writer_for(target, None, world_size=1, meta=False, timeout=30.0, on_commit=print)
+        self.call_series.last_report = BoundaryReport(stage="fit", uri=target.uri, wrote=True)
 
 
 def test_before_any_call_there_is_no_report_and_nothing_to_wait_for(tmp_path):
     strategy = _Strategy(tmp_path)
-    strategy._last_boundary = None
+    strategy.call_series.last_report = None
     assert strategy.last_boundary is None
     strategy.wait_for_handoff()
 

@@ -1,5 +1,5 @@
-"""strategy_checkpoints.py: the strategy's checkpoint hooks, in this process without a Trainer call. The engine
-asked for after a call is gone, and the error says where the weights are; a ``ckpt_path`` folder written
+"""strategy_bases/checkpoint_hooks.py: the strategy's checkpoint hooks, in this process without a Trainer call.
+The engine asked for after a call is gone, and the error says where the weights are; a ``ckpt_path`` folder written
 between calls is read back whole, weights and client state; ``storage_options`` is refused as stock refuses it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from torch import nn
 from stagesafe.boundary_report import BoundaryReport
 from stagesafe.errors import EngineReleasedError
 from stagesafe.stages.call_series import CallSeries
-from stagesafe.strategy_checkpoints import CheckpointHooks
+from stagesafe.strategy_bases.checkpoint_hooks import CheckpointHooks
 from stagesafe.zero.checkpoint_writer import write_zero_checkpoint
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,16 +20,14 @@ pytestmark = pytest.mark.timeout(120)
 class _Strategy(CheckpointHooks):
     def __init__(self) -> None:
         super().__init__(stage=3)
-        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
-        self._boundary = None
-        self._last_boundary = None
+        self.call_series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
 
 
 def test_the_engine_is_none_before_the_first_call_and_released_after_a_call():
     strategy = _Strategy()
     assert strategy.deepspeed_engine is None
-    strategy._series.calls = 1
-    strategy._last_boundary = BoundaryReport(stage="fit", uri="/tmp/run/stagesafe_handoff")
+    strategy.call_series.calls = 1
+    strategy.call_series.last_report = BoundaryReport(stage="fit", uri="/tmp/run/stagesafe_handoff")
     with pytest.raises(EngineReleasedError, match=r"destroyed .* the handoff at '/tmp/run/stagesafe_handoff'"):
         strategy.deepspeed_engine
 

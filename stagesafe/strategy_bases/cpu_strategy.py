@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from stagesafe.comm_op_build import watch_comm_op_build
+from stagesafe.strategy_bases.comm_op_build import watch_comm_op_build
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class CPUCapableDeepSpeedStrategy(DeepSpeedStrategy):
     def _init_deepspeed_distributed(self) -> None:
         """On the CPU, DeepSpeed's comm backend prints "... built successfully" on every rank once it has
         loaded its shared-memory op; that line is left out, anything else it prints is logged. A build of
-        the op (missing or stale) is said on rank 0 (:mod:`stagesafe.comm_op_build`)."""
+        the op (missing or stale) is said on rank 0 (:mod:`stagesafe.strategy_bases.comm_op_build`)."""
         if not isinstance(self.accelerator, CPUAccelerator):
             super()._init_deepspeed_distributed()
             return

@@ -15,11 +15,9 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
-from stagesafe.boundary_report import BoundaryReport
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.errors import EngineReleasedError
 from stagesafe.stages.between_calls_checkpoint import save_between_calls
-from stagesafe.stages.boundary import StageBoundary
 from stagesafe.stages.call_series import CallSeries
 from stagesafe.stages.checkpoint_loading import check_keys, load_training_checkpoint, read_weights_checkpoint
 from stagesafe.zero import engine as zero_engine
@@ -31,9 +29,7 @@ __all__ = ["CheckpointHooks"]
 class CheckpointHooks(CPUCapableDeepSpeedStrategy):
     """Lightning's DeepSpeed strategy whose checkpoints work between Trainer calls too, when no engine lives."""
 
-    _series: CallSeries
-    _boundary: StageBoundary | None  # the call under way's
-    _last_boundary: BoundaryReport | None
+    call_series: CallSeries  # what the strategy's Trainer calls share: the call under way's boundary among it
 
     @property
     def _fitting(self) -> bool:
@@ -48,9 +44,10 @@ class CheckpointHooks(CPUCapableDeepSpeedStrategy):
     def deepspeed_engine(self) -> Any:
         """The engine of the Trainer call under way. After a call it is gone: stagesafe destroys it when the
         call returns, and says so here rather than handing out the bare module as if it were the engine."""
-        if self._engine_is_live or self._series.calls == 0 or self._boundary is not None:
+        series = self.call_series
+        if self._engine_is_live or series.calls == 0 or series.boundary is not None:
             return self.model
-        uri = self._last_boundary.uri if self._last_boundary is not None else None
+        uri = series.last_report.uri if series.last_report is not None else None
         raise EngineReleasedError(
             "the DeepSpeed engine was destroyed when the last Trainer call returned (StageSafeDeepSpeedStrategy "
             "gives the module back with its weights, and builds a new engine at the next call). Use the module "
@@ -94,7 +91,7 @@ class CheckpointHooks(CPUCapableDeepSpeedStrategy):
         save_between_calls(
             module, checkpoint, os.fspath(filepath), world_size=self.world_size, rank_zero=self.is_global_zero,
             zero_stage=self._zero_stage, exclude_frozen=self.exclude_frozen_parameters,
-            writers=self._series.writers(module),
+            writers=self.call_series.writers(module),
             barrier=self.barrier, warn=rank_zero_warn,
         )
 
@@ -125,10 +122,11 @@ class CheckpointHooks(CPUCapableDeepSpeedStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         state_dict = checkpoint.get("state_dict")
-        if state_dict is None or self._boundary is None:
+        boundary = self.call_series.boundary
+        if state_dict is None or boundary is None:
             return  # DeepSpeed's own load_checkpoint already put the weights (and masters) in the engine
         check_keys(self.lightning_module, state_dict, strict)
-        self._boundary.checkpoint_loaded(state_dict, self.lightning_module, training=self._fitting)
+        boundary.checkpoint_loaded(state_dict, self.lightning_module, training=self._fitting)
 
     @property
     @override

@@ -1,4 +1,4 @@
-"""strategy_collectives.py: Lightning's five collectives of the strategy, each inside the guard of its calls, in
+"""strategy_bases/guarded_collectives.py: Lightning's five collectives of the strategy, each inside the guard of its calls, in
 this process (no process group: Lightning's own collectives return at once). Each first waits for the writers'
 device work; once a call failed on some rank, a collective that fails says the process group is broken."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stagesafe.cpu_strategy import CPUCapableDeepSpeedStrategy
+from stagesafe.strategy_bases.cpu_strategy import CPUCapableDeepSpeedStrategy
 from stagesafe.errors import DistributedStageError
 from stagesafe.stages.call_series import CallSeries
 from stagesafe.stages.channel import Ending
-from stagesafe.strategy_collectives import GuardedCollectives
+from stagesafe.strategy_bases.guarded_collectives import GuardedCollectives
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -29,7 +29,7 @@ class _Writer:
 class _Strategy(GuardedCollectives):
     def __init__(self) -> None:
         super().__init__(parallel_devices=[torch.device("cpu")])
-        self._series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
+        self.call_series = CallSeries(storage_options=None, resume_from=None, overwrite=False)
 
 
 @pytest.mark.parametrize("call", [
@@ -41,7 +41,7 @@ class _Strategy(GuardedCollectives):
 ])
 def test_every_collective_waits_for_the_writers_device_work_first(call):
     strategy, writer = _Strategy(), _Writer()
-    strategy._series.writer = writer  # type: ignore[assignment] - what the guard asks of it
+    strategy.call_series.writer = writer  # type: ignore[assignment] - what the guard asks of it
     call(strategy)
     assert writer.waits >= 1
 
@@ -55,7 +55,7 @@ def test_the_collectives_give_what_lightnings_give():
 
 def test_once_a_call_failed_on_a_rank_a_failing_collective_names_the_broken_group(monkeypatch):
     strategy = _Strategy()
-    strategy._series.guard.call_ended(Ending(gather=True, failed=(1,), absent=()))
+    strategy.call_series.guard.call_ended(Ending(gather=True, failed=(1,), absent=()))
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("gloo: connection closed by peer")
