@@ -50,8 +50,7 @@ def test_making_host_memory_ready_waits_while_it_is_held_and_ready_never_waits_f
 
     go_on = threading.Event()
     buffers = HostBuffers({}, {"a": (torch.Size([1 << 20]), torch.float32)}, lock_on=None, go_on=go_on)
-    buffers._thread.join(0.3)
-    assert buffers._thread.is_alive() and buffers.fresh == {}  # held before its first piece
+    assert not buffers.wait(0.3) and buffers.fresh == {}  # held before its first piece
     go_on.set()
     assert buffers.ready().fresh["a"].shape == (1 << 20,)
     pool = HostPool([(torch.Size([1 << 20]), torch.float32)], lock_on=None)
@@ -66,12 +65,9 @@ def test_a_held_pool_waits_until_released_and_close_ends_a_hold_too():
         pool = HostPool([], lock_on=None)
         pool.hold()
         pool.add(pieces)  # asked for while held, as after the first optimizer step
-        (batch,) = pool._batches
-        batch._thread.join(0.3)
-        assert batch._thread.is_alive() and batch.fresh == {}  # nothing made ready while held
+        assert not pool.wait(0.3) and pool.made_ready == 0  # nothing made ready while held
         pool.release() if end == "release" else pool.close()
-        batch._thread.join(5)
-        assert not batch._thread.is_alive()
+        assert pool.wait(5)
         pool.close()
 
 
@@ -81,7 +77,8 @@ def test_a_pool_takes_over_ready_tensors_and_makes_only_what_they_do_not_cover()
     pool = HostPool([], lock_on=None)
     pool.adopt(last)
     pool.add([a, a, b])  # only one more of a is new
-    assert len(pool._batches) == 1 and pool.nbytes == 2 * 16 + 8
+    assert pool.nbytes == 2 * 16 + 8
+    assert pool.wait(5) and pool.made_ready == 16  # one more of a: the rest is adopted
     taken = [pool.take(*a), pool.take(*a), pool.take(*b)]
     assert {t.data_ptr() for t in taken} >= {t.data_ptr() for t in last}  # the adopted memory is handed out again
     assert pool.take(*a) is None and pool.take(*b) is None

@@ -68,7 +68,7 @@ def test_many_small_tensors_are_one_chunk_and_exactly_the_formats_bytes():
     tensors = _mixed()
     specs = {name: {"dtype": dtype_name(t.dtype), "shape": list(t.shape)} for name, t in tensors.items()}
     header, size = encode_header(specs)
-    chunks = list(shards._safetensors_chunks(header, specs, tensors))
+    chunks = list(shards.safetensors_chunks(header, specs, tensors))
     assert b"".join(bytes(c) for c in chunks) == _reference_bytes(specs, tensors)
     # The header, the runs between the tensors written apart (non-contiguous, "large"), those: not one per tensor.
     assert len(chunks) == 8 and len(tensors) > 300
@@ -104,7 +104,7 @@ def test_a_lazy_mapping_gives_up_each_small_tensor_before_the_next_is_read(tmp_p
     names = [f"t{i}" for i in range(50)]
     specs = {name: {"dtype": "float32", "shape": [16]} for name in names}
     header, _ = encode_header(specs)
-    data = b"".join(bytes(c) for c in shards._safetensors_chunks(header, specs, Lazy.fromkeys(names)))
+    data = b"".join(bytes(c) for c in shards.safetensors_chunks(header, specs, Lazy.fromkeys(names)))
     assert counts == [0] * 50
     assert data[len(header):] == torch.arange(1, 51, dtype=torch.float32).repeat_interleave(16).numpy().tobytes()
 
@@ -121,7 +121,7 @@ def test_a_lazy_mapping_gives_up_each_small_tensor_before_the_next_is_read(tmp_p
 )
 def test_the_quick_check_accepts_only_what_the_full_check_accepts(name, dtype, shape):
     check_tensor(name, dtype, shape)
-    if codec._plainly_valid(name, dtype, shape):
+    if codec.plainly_valid(name, dtype, shape):
         return
     assert shape == [2**62, 0]  # left to the full checks, which accept it
 
@@ -145,7 +145,7 @@ def test_the_quick_check_accepts_only_what_the_full_check_accepts(name, dtype, s
     ],
 )
 def test_the_quick_check_refuses_what_the_full_check_refuses_and_leaves_it_the_message(name, dtype, shape):
-    assert not codec._plainly_valid(name, dtype, shape)
+    assert not codec.plainly_valid(name, dtype, shape)
     if not (isinstance(shape, range)):  # a range is a valid Sequence of ints: the full checks accept it
         with pytest.raises(InvalidArgumentError):
             check_tensor(name, dtype, shape)

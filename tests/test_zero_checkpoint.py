@@ -311,11 +311,11 @@ def test_remote_source_is_staged_and_cleaned(ckpts):
     fs.put(ckpts["s3"]["path"], "/remote-src/s3", recursive=True)
     try:
         ckpt = open_zero_checkpoint("memory://remote-src/s3")
-        staging = ckpt._staging_dir
+        staging = ckpt.staging_dir
         with ckpt:
             assert os.path.isdir(staging)
             values = ckpt.load_state_dict()
-        assert not os.path.exists(staging)
+        assert not os.path.exists(staging) and ckpt.staging_dir is None
         assert_bit_equal(values, deepspeed_reference(ckpts["s3"]["path"]))
     finally:
         fs.rm("/remote-src", recursive=True)

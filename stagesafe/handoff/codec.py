@@ -34,6 +34,7 @@ __all__ = [
     "itemsize",
     "nbytes",
     "parse_header",
+    "plainly_valid",
 ]
 
 MAX_HEADER = 100_000_000  # safetensors' MAX_HEADER_SIZE
@@ -139,7 +140,7 @@ def check_name(name: Any, *, where: str = "state_dict") -> None:
 def check_tensor(name: Any, dtype: Any, shape: Any, *, where: str = "state_dict") -> None:
     """Raise ``InvalidArgumentError`` unless safetensors can store a tensor ``name`` of torch dtype name
     ``dtype`` and ``shape``, and every reader of the format can read it back."""
-    if _plainly_valid(name, dtype, shape):
+    if plainly_valid(name, dtype, shape):
         return
     check_name(name, where=where)
     if not isinstance(dtype, str) or dtype not in _CODES:
@@ -184,7 +185,7 @@ def encode_header(specs: Mapping[str, Mapping[str, Any]]) -> tuple[bytes, int]:
 # -- internals -----------------------------------------------------------------------------------------------------
 
 
-def _plainly_valid(name: Any, dtype: Any, shape: Any) -> bool:
+def plainly_valid(name: Any, dtype: Any, shape: Any) -> bool:
     """:func:`check_tensor`'s rules, for the common case only (exact ``str``, ``list``/``tuple`` and ``int``
     types): True means valid; False means the full checks decide, and say what is wrong. One pass, no ABCs:
     this runs for every tensor of every header and manifest."""

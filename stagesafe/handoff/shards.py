@@ -30,7 +30,7 @@ from stagesafe.storage.retry import RetryPolicy
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "write_shard", "write_shards"]
+__all__ = ["UNCHANGED", "Pieces", "ShardRecord", "safetensors_chunks", "write_shard", "write_shards"]
 
 UNCHANGED = "; nothing was committed: the handoff there before, if any, is unchanged"  # a failed write's hint
 
@@ -151,7 +151,7 @@ def write_shard(
         of its own (and the pool it spreads a chunk over), so that hashing a chunk overlaps writing it and
         making the next; a lazy mapping is read one tensor at a time."""
         with _digest.Pipeline(digest) as hashing:
-            for chunk in _safetensors_chunks(header, specs, tensors):
+            for chunk in safetensors_chunks(header, specs, tensors):
                 hashing.add(chunk)  # in order, and at most one chunk ahead of the file
                 yield chunk
             digests.append(hashing.hexdigest())
@@ -170,9 +170,11 @@ def write_shard(
     return ShardRecord(digest=digest, hexdigest=digests[-1], size=size)
 
 
-def _safetensors_chunks(
+def safetensors_chunks(
     header: bytes, specs: Mapping[str, Mapping[str, Any]], tensors: Mapping[str, torch.Tensor | Pieces]
 ) -> Iterator[bytes | memoryview]:
+    """A safetensors file's bytes in order, as chunks: the ``header``, then each tensor of ``specs`` as planned
+    (consecutive small ones joined into one chunk; each checked against its plan first)."""
     yield header
     run = SmallRun()  # consecutive small tensors, written as one chunk (tensor_bytes.py)
     for name, spec in specs.items():

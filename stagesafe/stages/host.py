@@ -87,6 +87,11 @@ class HostBuffers:
         self._thread.join()
         return self
 
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether making the memory ready is over within ``timeout`` seconds (a hold is not ended)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
     def stop(self) -> "HostBuffers":
         """Stop swapping and wait for the thread: a tensor not moved yet stays where it is, in ``existing``
         (the end copies into it as pageable memory: slower, but no second copy of it)."""
@@ -226,6 +231,16 @@ class HostPool:
     def release(self) -> None:
         """Let making the pool ready go on after :meth:`hold`."""
         self._go_on.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Whether making the pool ready is over within ``timeout`` seconds each batch (unlike :meth:`ready`,
+        a hold is not ended)."""
+        return all(batch.wait(timeout) for batch in self._batches)
+
+    @property
+    def made_ready(self) -> int:
+        """Bytes of the tensors made ready so far and not yet handed out (adopted ones not counted)."""
+        return sum(t.nbytes for batch in self._batches for t in batch.fresh.values())
 
     def ready(self) -> "HostPool":
         """Wait until the tensors are made ready (or making them failed: then the copies allocate their own)."""

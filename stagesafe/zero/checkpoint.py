@@ -91,6 +91,11 @@ class ZeroCheckpoint:
 
     # -- description --------------------------------------------------------------------------------------------
     @property
+    def staging_dir(self) -> str | None:
+        """The local folder a remote checkpoint's files were staged into (removed on close), None otherwise."""
+        return self._staging_dir
+
+    @property
     def client_state(self) -> dict[str, Any]:
         """The non-DeepSpeed entries of rank 0's model states (Lightning's, say), their tensors read on first use;
         when the checkpoint was opened trusted, as ``torch.load(weights_only=False)`` gives them."""
