@@ -179,28 +179,27 @@ def run_stock(args: argparse.Namespace, rows: list) -> dict:
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer, module: nn.Module) -> tuple[int, int]:
     """Bytes of the tensors the given-back optimizer's state shows for the module's parameters, and of those
     bytes the ones outside what stagesafe keeps of the fit (a copy would be; views into the kept state are not)."""
-    from stagesafe.stages.history import history_of
-    from stagesafe.zero.engine import tensors_in
-
-    kept = history_of(module).kept
-    held = tensors_in(kept.checkpoint) if kept is not None and kept.checkpoint is not None else []
-    kept_storages = {t.untyped_storage().data_ptr() for t in held}
+    kept = kept_storages(module)
     shown = [t for p in module.parameters() for t in optimizer.state[p].values() if isinstance(t, torch.Tensor)]
-    return (sum(t.nbytes for t in shown),
-            sum(t.nbytes for t in shown if t.untyped_storage().data_ptr() not in kept_storages))
+    return (sum(t.nbytes for t in shown), sum(t.nbytes for t in shown if t.untyped_storage().data_ptr() not in kept))
 
 
 def kept_bytes(module: nn.Module) -> int:
     """Bytes of what this rank keeps of the last fit's engine (optimizer state, fp32 masters of 16-bit ones)."""
+    return sum(kept_storages(module).values())
+
+
+def kept_storages(module: nn.Module) -> dict[int, int]:
+    """Address -> bytes of each storage this rank keeps of the last fit's engine."""
     from stagesafe.stages.history import history_of
     from stagesafe.zero.engine import tensors_in
 
     history = history_of(module)
     kept = history.kept if history is not None else None
     if kept is None:
-        return 0
+        return {}
     tensors = [*tensors_in(kept.checkpoint), *kept.masters.values()]
-    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}.values())
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
 
 
 def show(everyone: list, info: dict, args: argparse.Namespace) -> None:

@@ -107,10 +107,15 @@ def test_a_step_on_16_bit_parameters_beside_fp32_state_is_refused_before_anythin
     assert steps == [1]
 
 
+def _flat_state(files: dict) -> dict:
+    """The kept file's state of flat partition 0, where a copy off the device puts its host tensors."""
+    return files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]
+
+
 def _on_device(files: dict, flat: dict) -> dict:
     """Put meta tensors where ``flat``'s per-element tensors are (the engine's device tensors, not yet copied);
     returns the host ones a copy would put back."""
-    held = files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0]
+    held = _flat_state(files)
     host = {k: held[k] for k in ("exp_avg", "exp_avg_sq")}
     held.update({k: torch.empty(v.shape, device="meta") for k, v in host.items()})
     return host
@@ -123,7 +128,7 @@ def _copy_later(files: dict, host: dict, copied, *, after: float = 0.2):
 
     def copy() -> None:
         time.sleep(after)
-        files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(host)
+        _flat_state(files).update(host)
         copied.set()
 
     thread = threading.Thread(target=copy)
@@ -140,7 +145,7 @@ def test_a_state_still_on_the_device_is_seen_empty_without_waiting_until_the_cal
     assert views is not None and optimizer.state is views.state
     assert len(optimizer.state) == 0 and list(optimizer.state.items()) == []  # Lightning's teardown: no wait
     entry = optimizer.state[params[0]]  # made by a read there, as a defaultdict makes it
-    files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(host)
+    _flat_state(files).update(host)
     copied.set()
     assert optimizer.state[params[0]] is entry and entry["exp_avg"].data_ptr() == host["exp_avg"].data_ptr()
     assert optimizer.state[params[1]]["exp_avg_sq"].data_ptr() == host["exp_avg_sq"].data_ptr() + 6 * 4
@@ -179,7 +184,7 @@ def test_a_state_dropped_before_its_copy_stays_empty():
     views = attach_views(optimizer, files, places, on_step=lambda: None, copied=copied, timeout=60)
     views.call_returned()
     views.drop()  # the copy failed: the kept state went before any view was made
-    files[FILE]["optimizer_state_dict"]["optimizer_state_dict"]["state"][0].update(host)
+    _flat_state(files).update(host)
     copied.set()
     assert len(optimizer.state) == 0 and params[0] not in optimizer.state
 
