@@ -61,8 +61,8 @@ class MLP(Wide):
         return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.1)
 
 
-def status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
+def status_kib(field: str, path: str = "/proc/self/status") -> int:
+    with open(path) as f:
         match = re.search(rf"^{field}:\s+(\d+) kB", f.read(), re.MULTILINE)
     return int(match.group(1)) if match else 0
 
@@ -91,7 +91,10 @@ class Window:
     def __exit__(self, *exc) -> None:
         seconds = time.perf_counter() - self.start
         row = {"call": self.name, "rss_before": self.before, "rss_peak": status_kib("VmHWM") * 1024,
-               "rss_after": status_kib("VmRSS") * 1024, "seconds": seconds}
+               "rss_after": status_kib("VmRSS") * 1024, "seconds": seconds,
+               # pages the ranks share (their kept optimizer state at several ranks of one host) counted once
+               # over the ranks when summed: each mapper's proportional share
+               "pss_after": status_kib("Pss", "/proc/self/smaps_rollup") * 1024}
         if torch.cuda.is_available():
             row["gpu_peak_reserved"] = torch.cuda.max_memory_reserved()
         self.rows.append(row)
@@ -199,7 +202,9 @@ def kept_storages(module: nn.Module) -> dict[int, int]:
     if kept is None:
         return {}
     tensors = [*tensors_in(kept.checkpoint), *kept.masters.values()]
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    shared = kept.shared.region.private() if kept.shared is not None else None  # several ranks of one host
+    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*tensors, shared]
+            if t is not None and t.numel()}
 
 
 def show(everyone: list, info: dict, args: argparse.Namespace) -> None:
@@ -226,6 +231,11 @@ def show(everyone: list, info: dict, args: argparse.Namespace) -> None:
                 state = row.get("optimizer_state_s")
                 print(f"rank {rank} {row['call']}: leaving it took {row['boundary_s']:.3f} s"
                       + (f", of which handing off the optimizer state {state:.3f} s" if state is not None else ""))
+    if len(everyone) > 1:
+        for index, row in enumerate(everyone[0]):
+            pss = [rows[index].get("pss_after", 0) for rows in everyone if index < len(rows)]
+            print(f"after {row['call']}: the ranks together hold {sum(pss) / GIB:.2f} GiB (PSS summed, "
+                  f"{sum(pss) / params:.1f} B/param)")
     for key in ("live_host_tensors", "live_host_bytes", "live_host_bytes_optimizer_state",
                 "live_host_tensors_optimizer_state"):
         if key in info:

@@ -354,6 +354,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
                 background=not failed,
                 lr_schedulers=[config.scheduler.state_dict() for config in self.lr_scheduler_configs],
                 failed=failed or bool(ending.failed) or ending.broken,
+                state_places=layout.places if layout is not None else None,
             )
         except Exception as exc:
             if not failed:

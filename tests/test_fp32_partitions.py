@@ -91,3 +91,17 @@ def test_recipes_of_two_ranks_build_the_partitions_deepspeed_saves_padding_inclu
         assert not isinstance(seen, BaseException), seen
         assert seen["recipes"] and seen["equal"], seen
     assert rank0["padded"] == 0 and rank1["padded"] == 1 + 1 + 1 + 1  # each odd parameter's last element pads rank 1
+
+
+def test_a_held_partition_is_built_from_its_own_values_where_the_kept_files_are_built():
+    """The optimizer's moments shared per parameter by a host's ranks (stages/shared_state.py) are kept as
+    HeldPartitions: built_partitions gives the flat partition DeepSpeed saves, from the values held with it."""
+    from stagesafe.zero.engine import HeldPartition
+
+    moments = {"a": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.arange(10, 12, dtype=torch.float32)}
+    held = HeldPartition(PartitionRecipe(numel=4, dtype=torch.float32, slices=(("a", 0, 3, 3),),
+                                         padding=((3, torch.tensor([0.5])),)), moments)
+    state = {"optim": {"optimizer_state_dict": {"state": {0: {"exp_avg": held, "step": torch.tensor(3.0)}}}}}
+    built = built_partitions(state, {"a": torch.zeros(2, 3)})  # the masters' values: not the moments'
+    assert built["optim"]["optimizer_state_dict"]["state"][0]["exp_avg"].tolist() == [3.0, 4.0, 5.0, 0.5]
+    assert state["optim"]["optimizer_state_dict"]["state"][0]["exp_avg"] is held

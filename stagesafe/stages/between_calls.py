@@ -1,7 +1,7 @@
 """What a module holds between Trainer calls (no engine is live): the optimizer a fit gives back, its state views
-into the last fit's kept engine state at one rank; and for a checkpoint written then, that kept state where it
-still belongs to the module's weights (its fp32 master partitions built again from them), or else the weights
-alone, read from the handoff for a module of meta tensors."""
+into the last fit's kept engine state (at one rank, or shared by one host's ranks); and for a checkpoint written
+then, that kept state where it still belongs to the module's weights (its fp32 master partitions built again from
+them), or else the weights alone, read from the handoff for a module of meta tensors."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ __all__ = [
 
 def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> torch.optim.Optimizer:
     """After a fit, the user's optimizer over the module's parameters (:func:`plain_optimizer`), its state the
-    fit's kept state where this rank holds each parameter's whole (one rank): views into it, owned by the kept
+    fit's kept state where this rank sees each parameter's whole (one rank, or the ranks of one host sharing it:
+    :mod:`~stagesafe.stages.shared_state`): views into it, owned by the kept
     state (``KeptTraining.drop_views`` empties them when it goes). A ``step()`` on them makes the kept state match
     no weights. Otherwise its state is empty. Where the kept state is still to be copied off the device, the
     views are made on the state's first use after the call returned, waiting as long as the module's writer
@@ -48,7 +49,8 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
             held.outdated(why)
 
     kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped, copied=kept.copied,
-                              timeout=history.writer.timeout if history.writer is not None else 1800.0)
+                              timeout=history.writer.timeout if history.writer is not None else 1800.0,
+                              shared=kept.shared.ready if kept.shared is not None else None)
     return optimizer
 
 

@@ -11,7 +11,9 @@ from typing import Any
 
 from torch import nn
 
+from stagesafe.stages import collectives
 from stagesafe.stages.between_calls import kept_files, kept_training, weights_between_calls
+from stagesafe.stages.history import KeptTraining
 from stagesafe.stages.writer import HandoffWriter
 from stagesafe.zero.checkpoint_writer import write_engine_checkpoint, write_zero_checkpoint
 
@@ -35,7 +37,7 @@ def save_between_calls(
     folder at ``path``, on every rank. ``barrier(name)``: every rank waits for the others' files;
     ``warn(text)``: rank 0's warning for a training checkpoint written without optimizer state."""
     client = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-    kept, missing = kept_training(module, world_size=world_size)
+    kept, missing = _on_every_rank(*kept_training(module, world_size=world_size))
     if kept is not None:
         assert kept.checkpoint is not None
         client["lr_schedulers"] = kept.lr_schedulers
@@ -55,3 +57,15 @@ def save_between_calls(
         write_zero_checkpoint(
             path, module, values=values, zero_stage=zero_stage, client_state=client, exclude_frozen=exclude_frozen
         )
+
+
+def _on_every_rank(kept: KeptTraining | None, missing: str) -> tuple[KeptTraining | None, str]:
+    """The kept state where every rank has its own (a ``step()`` between calls on one rank's optimizer makes
+    that rank's match no weights): else no rank writes it, and the reason names the ranks without it."""
+    reasons = collectives.gather_all(lambda: "" if kept is not None else missing, "checking the kept optimizer state")
+    lacking = {rank: reason for rank, reason in enumerate(reasons) if reason}
+    if not lacking:
+        return kept, ""
+    if len(reasons) == 1:
+        return None, lacking[0]
+    return None, "; ".join(f"rank {rank}: {reason}" for rank, reason in lacking.items())

@@ -45,6 +45,7 @@ from stagesafe.stages.history import (
 )
 from stagesafe.stages.optimizer_handoff import forget_optimizer_handoff, write_optimizer_handoff
 from stagesafe.stages.publish import HandoffPublisher, handoff_metadata
+from stagesafe.stages.shared_state import share_moments
 from stagesafe.stages.stage_end import StageEnd
 from stagesafe.stages.stage_entry import assert_clean, build_from_handoff, check_still_there, first_stage
 from stagesafe.stages.weight_source import WeightSource, weight_sources
@@ -254,6 +255,7 @@ class StageBoundary:
         background: bool,
         lr_schedulers: Sequence[Mapping[str, Any]] = (),
         failed: bool = False,
+        state_places: zero_engine.StatePlaces | None = None,
     ) -> BoundaryReport:
         """Decide where the stage's weights come from; take them, keep what the engine held beyond them,
         destroy the engine, restore the module, and publish the handoff. A failure of any step is raised at
@@ -266,7 +268,9 @@ class StageBoundary:
         ``lr_schedulers``: the trainer's lr scheduler states, kept beside the optimizer's.
         ``failed``: the call failed, on this rank or another. Before any optimizer step it trained nothing worth
         keeping on storage (a ``ckpt_path`` typo, a bad batch), so it writes no handoff: the module keeps its
-        weights, and the folder what it held.
+        weights, and the folder what it held. ``state_places``: where the optimizer's state lies in the kept
+        files (read from the engine with the optimizer's layout); at several ranks of one host they share it
+        whole per parameter (:mod:`~stagesafe.stages.shared_state`).
         """
         start, clock, failure = time.perf_counter(), PhaseClock(self.report.phases), FirstFailure()
         history = self._entered()
@@ -277,9 +281,11 @@ class StageBoundary:
             meta_specs = zero_engine.full_specs(self.module)[0] if self.options.meta else {}  # before the engine goes
             keeps_meta = self._leave(engine, history, trained=trained, weights_from=weights_from, gather=gather,
                                      background=background, lr_schedulers=lr_schedulers, clock=clock, failure=failure,
-                                     write=not failed or self._stepped, state=not failed)
+                                     write=not failed or self._stepped, state=not failed, places=state_places)
         except BaseException:
             self.end.release_kept_state_hold()  # no copy will come to end the hold
+            if history.kept is not None and history.kept.shared is not None:
+                history.kept.shared.give_up()  # no rank waits for this one's part of the shared state
             if history.kept is not None and history.kept.copied is not None:
                 history.kept.copied.set()  # nor one that a given-back optimizer's state may wait for
             raise
@@ -295,6 +301,7 @@ class StageBoundary:
         self, engine: Any | None, history: ModuleHistory, *, trained: bool, weights_from: Mapping[str, Any],
         gather: bool, background: bool, lr_schedulers: Sequence[Mapping[str, Any]], clock: PhaseClock,
         failure: FirstFailure, write: bool = True, state: bool = True,
+        places: zero_engine.StatePlaces | None = None,
     ) -> bool:
         """:meth:`exit`'s steps, in order. Returns whether the module is left on the meta device. ``state``: the
         optimizer state may be handed off (every rank ended the call well)."""
@@ -308,6 +315,9 @@ class StageBoundary:
             self.report.phases["consolidate_device_wait"] = taken.gathered.waited
         state_folder = self._hand_off_optimizer(engine, taken, history, failure) if state and gather else None
         kept, later = self._keep_engine_state(engine, taken, history, lr_schedulers, clock, later=background)
+        if kept is not None and places is not None and places.flats and state and gather:
+            self._share_kept_state(kept, places)
+            clock("share_kept_state")
         self._destroy(engine)
         clock("destroy")
         handoff = self._restore(taken, history)
@@ -463,6 +473,15 @@ class StageBoundary:
             copied=threading.Event() if copies is not None and copies.slots else None,
         )
         return kept, copies
+
+    @staticmethod
+    def _share_kept_state(kept: KeptTraining, places: zero_engine.StatePlaces) -> None:
+        """Several ranks (every one calls this): where they run on one host, their kept per-element state is to
+        be laid out once per host, per parameter; each rank writes its part once its files are on the host (the
+        kept state's copy, which the given-back optimizer's state then waits for)."""
+        kept.shared = share_moments(kept.checkpoint, places)
+        if kept.shared is not None and kept.copied is None:
+            kept.copied = threading.Event()
 
     def _destroy(self, engine: Any | None) -> None:
         """DeepSpeed removes what it registered; then whatever the module's footprint did not have goes."""

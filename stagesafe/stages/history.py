@@ -57,10 +57,12 @@ class KeptTraining:
     # set once ``checkpoint``'s device tensors are copied off the device after the call (or never will be);
     # None: its tensors were on the host from the start
     copied: threading.Event | None = field(default=None, compare=False, repr=False)
+    # at several ranks of one host, the per-element state they share (stages.shared_state.SharedMoments)
+    shared: Any = field(default=None, compare=False, repr=False)
 
     def drop(self, missing: str) -> None:
         """Let go of the checkpoint files (``missing``: why there are none now), and of every view into them."""
-        self.checkpoint, self.missing = None, missing
+        self.checkpoint, self.missing, self.shared = None, missing, None
         self.drop_views()
 
     def drop_views(self) -> None:

@@ -319,6 +319,7 @@ class StageEnd:
         kept state (``history.kept``), and says why when a checkpoint is saved."""
         files = history.kept.checkpoint if history.kept is not None else None
         copied = history.kept.copied if history.kept is not None else None
+        shared = history.kept.shared if history.kept is not None else None
 
         def copy_kept() -> None:
             pool = self._kept_state
@@ -329,6 +330,11 @@ class StageEnd:
                 kept = history.kept
                 if kept is not None and files is not None and kept.checkpoint is files:
                     kept.drop(f"copying it off the device failed ({type(exc).__name__})")
+                if shared is not None:
+                    shared.give_up()
+            else:
+                if shared is not None and files is not None:
+                    _share(shared, files, self._stage)
             finally:
                 self.release_kept_state()
                 if copied is not None:
@@ -366,6 +372,15 @@ class StageEnd:
             self._kept_state = HostPool(specs, lock_on=self._lock_on)
         elif self._kept_state is not None:
             self._kept_state.add(specs)
+
+
+def _share(shared: Any, files: dict[str, dict[str, Any]], stage: str) -> None:
+    """This rank's part of the state the host's ranks share; the files stay as they were where it fails."""
+    try:
+        shared.fill(files)
+    except Exception as exc:  # noqa: BLE001 - the kept state stays whole in the files; only the views go
+        log.warning("stagesafe: could not share the optimizer state kept at the end of %s between the ranks of "
+                    "this host: %s; trainer.optimizers[0].state stays empty", stage, exc)
 
 
 def _matches(plan: HandoffPlan, values: Mapping[str, torch.Tensor]) -> bool:

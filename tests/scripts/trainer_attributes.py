@@ -4,7 +4,8 @@
 Usage: python trainer_attributes.py {stagesafe|ddp} ROOT
 Lightning starts rank 1 by re-running this command line. AdamW in two param groups (lrs 1e-2 and 1e-3, betas
 (0.8, 0.95), weight decay 0.1) and a StepLR stepped every step; fit for 6 steps, then test, then predict. After
-each call rank 0 prints "ATTRS <call> <json>" (see ``_attributes``).
+each call rank 0 prints "ATTRS <call> <json>" (see ``_attributes``), and every rank "STATE <rank> <call> <json>":
+the optimizer's state per parameter name (each key's shape and values).
 """
 
 import json
@@ -49,6 +50,13 @@ def _attributes(trainer: pl.Trainer, model: pl.LightningModule) -> dict:
     return {"optimizers": optimizers, "schedulers": schedulers}
 
 
+def _state(trainer: pl.Trainer, model: pl.LightningModule) -> dict:
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names.get(id(p), "?"): {key: [list(value.shape), value.flatten().tolist()] if torch.is_tensor(value)
+                                      else [None, value] for key, value in held.items()}
+            for optimizer in trainer.optimizers for p, held in optimizer.state.items() if held}
+
+
 if __name__ == "__main__":
     kind, root = sys.argv[1], sys.argv[2]
     strategy = stagesafe.StageSafeDeepSpeedStrategy(stage=3) if kind == "stagesafe" else "ddp"
@@ -62,3 +70,4 @@ if __name__ == "__main__":
         getattr(trainer, call)(model, data(), **({"verbose": False} if call == "test" else {}))
         if trainer.global_rank == 0:
             print("ATTRS", call, json.dumps(_attributes(trainer, model)), flush=True)
+        print("STATE", trainer.global_rank, call, json.dumps(_state(trainer, model)), flush=True)

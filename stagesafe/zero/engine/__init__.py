@@ -11,7 +11,7 @@ values, fp32 masters) and put into one (:mod:`.values_in`: partitions from value
 the engine's own checkpoint files (:mod:`.checkpoint_state`; ZeRO-3's fp32 master partitions in them as recipes,
 :mod:`.fp32_partitions`), a checkpoint folder of any world size put into a live engine through them
 (:mod:`.checkpoint_load`), the user's optimizer given back over the module's parameters (:mod:`.optimizer`), with views into the kept
-optimizer state as its state at one rank (:mod:`.optimizer_views`), and
+optimizer state as its state (:mod:`.optimizer_views`), and
 DeepSpeed's per-parameter broadcasts of a plain module at engine build made one per bucket (:mod:`.broadcasts`).
 Callers use the names below, from this package.
 """
@@ -32,9 +32,9 @@ from stagesafe.zero.engine.checkpoint_load import (
     read_rank_files,
 )
 from stagesafe.zero.engine.broadcasts import flat_broadcasts
-from stagesafe.zero.engine.fp32_partitions import PartitionRecipe, built_partitions
+from stagesafe.zero.engine.fp32_partitions import HeldPartition, PartitionRecipe, built_partitions
 from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer, repoint
-from stagesafe.zero.engine.optimizer_views import OptimizerViews, StatePlaces, attach_views, state_places
+from stagesafe.zero.engine.optimizer_views import FlatSlices, OptimizerViews, StatePlaces, attach_views, state_places
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
 from stagesafe.zero.engine.traces import (
     ModuleFootprint,
@@ -59,6 +59,7 @@ __all__ = [
     "repoint",
     "OptimizerViews",
     "StatePlaces",
+    "FlatSlices",
     "attach_views",
     "state_places",
     "GatheredValues",
@@ -84,6 +85,7 @@ __all__ = [
     "tensors_in",
     "to_host",
     "PartitionRecipe",
+    "HeldPartition",
     "built_partitions",
     "read_rank_files",
     "load_rank_files",

@@ -6,6 +6,10 @@ sub-group is those values again, sliced: 4 bytes per parameter and rank that nee
 :class:`PartitionRecipe` records where each parameter's slice sits in the flat partition, and the values of its
 padding (the last rank's slice of a parameter whose size the ranks do not divide: bytes no value holds), so
 that :meth:`PartitionRecipe.build` gives the very tensor DeepSpeed would save, from the full values.
+
+A :class:`HeldPartition` is such a flat partition held elsewhere per parameter, with the values it is built from:
+the optimizer's per-element state (Adam's moments) once the ranks of one host share it whole per parameter
+(:mod:`stagesafe.stages.shared_state`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["PartitionRecipe", "partition_recipes", "built_partitions"]
+__all__ = ["PartitionRecipe", "HeldPartition", "partition_recipes", "built_partitions"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,17 @@ class PartitionRecipe:
         for offset, values_there in self.padding:
             flat.narrow(0, offset, values_there.numel()).copy_(values_there)
         return flat
+
+
+@dataclass(frozen=True)
+class HeldPartition:
+    """A flat partition whose elements are held in ``values`` (name -> the full value) as ``recipe`` lays out."""
+
+    recipe: PartitionRecipe
+    values: Mapping[str, torch.Tensor]
+
+    def build(self) -> torch.Tensor:
+        return self.recipe.build(self.values)
 
 
 def partition_recipes(
@@ -89,9 +104,12 @@ def partition_recipes(
 
 def built_partitions(state: Any, values: Mapping[str, torch.Tensor]) -> Any:
     """``state`` (a kept checkpoint file's state, or anything inside one) with every :class:`PartitionRecipe`
-    built from ``values``; the containers are new, everything else is shared."""
+    built from ``values`` and every :class:`HeldPartition` from its own; the containers are new, everything
+    else is shared."""
     if isinstance(state, PartitionRecipe):
         return state.build(values)
+    if isinstance(state, HeldPartition):
+        return state.build()
     if isinstance(state, dict):
         built = state.copy()
         for key, value in state.items():

@@ -6,7 +6,7 @@ is destroyed those partitions would be kept alive by the object Lightning's ``tr
 schedulers still name. :func:`optimizer_layout`, taken while the engine lives, records which of the module's
 parameters each group trains; :func:`plain_optimizer`, once the engine is gone, points the groups at them again
 and lets go of the partition-keyed state (what the engine held of it is kept beside the module, see
-:mod:`stagesafe.stages.between_calls`; at one rank the layout also records where each parameter's state lies in
+:mod:`stagesafe.stages.between_calls`; the layout also records where each parameter's state lies in
 it, for the views :mod:`.optimizer_views` gives the optimizer). The hyperparameters stay as the fit left them (the
 lr its schedulers set).
 """
@@ -29,7 +29,8 @@ __all__ = ["OptimizerLayout", "optimizer_layout", "plain_optimizer", "repoint"]
 @dataclass
 class OptimizerLayout:
     """The user's optimizer, and for each of its param groups the module's parameters it trains, in order;
-    ``places``: where each one's state lies in the kept checkpoint files (one rank only, else None)."""
+    ``places``: where each one's state lies in the kept checkpoint files (None where stagesafe does not lay it
+    out)."""
 
     optimizer: torch.optim.Optimizer
     groups: list[list[nn.Parameter]]

@@ -12,8 +12,11 @@ so that no view outlives its owner and the moments are never held twice.
 
 A ``step()`` between calls runs in place on those views (the kept state then matches no weights: ``on_step``); one
 on parameters held in 16 bits (layers built in ``configure_model`` under ``bf16-mixed``) beside fp32 state is
-refused before anything changes, as torch's optimizers cannot step them together. At several ranks a rank holds
-only its partition of each parameter's state: no views (the state stays empty).
+refused before anything changes, as torch's optimizers cannot step them together. At several ranks (ZeRO-3) a
+rank holds only its partition of each parameter's state; where the ranks of one host share it whole per parameter
+(:mod:`stagesafe.stages.shared_state`), the kept files hold each flat partition as a
+:class:`~stagesafe.zero.engine.fp32_partitions.HeldPartition` and the views look into its shared values, once every
+rank has written its part (``shared``); elsewhere there are no views (the state stays empty).
 
 On a GPU the kept state is copied off the device after the Trainer call has returned (the call does not wait for
 it): :func:`attach_views` given that copy's event fills the state on first use instead. Until the call has
@@ -34,8 +37,9 @@ import torch
 from torch import nn
 
 from stagesafe.errors import InvalidArgumentError, shown
+from stagesafe.zero.engine.fp32_partitions import HeldPartition
 
-__all__ = ["StatePlaces", "OptimizerViews", "state_places", "attach_views"]
+__all__ = ["StatePlaces", "FlatSlices", "OptimizerViews", "state_places", "attach_views"]
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +49,9 @@ _TORCH_STATE_KEYS = ("optimizer_state_dict", "base_optimizer_state")
 
 @dataclass(frozen=True)
 class Place:
-    """A trained parameter's slice of this rank's flat partitions: the torch state dict's ``number`` of the flat
-    partition, the ``offset`` of the parameter's first element in it, the parameter's full ``shape``."""
+    """A trained parameter's state in the kept files: the torch state dict's ``number`` of its flat partition,
+    the ``offset`` of the parameter's first element in it (-1 where this rank holds only a slice of it), the
+    parameter's full ``shape``."""
 
     param: nn.Parameter
     name: str
@@ -56,29 +61,44 @@ class Place:
 
 
 @dataclass(frozen=True)
+class FlatSlices:
+    """This rank's flat partition ``number`` of ``numel`` elements: ``slices`` (name, offset in the flat, first
+    element of the flattened full parameter, elements) of the parameters it holds part of."""
+
+    number: int
+    numel: int
+    slices: tuple[tuple[str, int, int, int], ...]
+
+
+@dataclass(frozen=True)
 class StatePlaces:
-    """Where every trained parameter's optimizer state lies in the kept checkpoint ``file`` (one rank)."""
+    """Where every trained parameter's optimizer state lies in the kept checkpoint ``file`` (one rank's).
+    ``flats``: at several ranks, this rank's slices of each flat partition (the state of a parameter is then
+    whole only where the ranks of a host share it: :mod:`stagesafe.stages.shared_state`)."""
 
     file: str
     places: tuple[Place, ...]
+    flats: tuple[FlatSlices, ...] = ()
 
 
 def state_places(engine: Any) -> StatePlaces | None:
-    """Read from a live training engine: each trained parameter's place in its flat partition, where a
-    parameter's state is whole on this rank (one rank, and every parameter in one slice of one partition); None
-    otherwise (several ranks, an engine whose optimizer stagesafe does not lay out)."""
+    """Read from a live training engine: each trained parameter's place in the flat partitions (at one rank,
+    where every parameter lies whole in one slice of one partition; at several, under ZeRO-3, with this rank's
+    slices of each partition); None otherwise (ZeRO 1/2 at several ranks, an engine whose optimizer stagesafe
+    does not lay out)."""
     import os
 
     import torch.distributed as dist
 
     from stagesafe.zero.engine.checkpoint_load import partition_layout, state_numbers
 
-    if dist.is_initialized() and dist.get_world_size() != 1:
-        return None
+    several = dist.is_initialized() and dist.get_world_size() != 1
     try:
         layout = partition_layout(engine)
         file = os.path.basename(engine._get_zero_ckpt_name("", ""))
         params = {name: param for param, name in engine.param_names.items()}
+        if several:
+            return _places_of_partitions(engine, file, layout, state_numbers(layout))
     except Exception:  # noqa: BLE001 - an optimizer not laid out so: the given-back optimizer's state stays empty
         return None
     places = []
@@ -92,6 +112,26 @@ def state_places(engine: Any) -> StatePlaces | None:
                 return None  # a parameter in pieces: not one view
             places.append(Place(param, name, number, offset, shape))
     return StatePlaces(file, tuple(places))
+
+
+def _places_of_partitions(engine: Any, file: str, layout: list[Any], numbers: list[int]) -> StatePlaces | None:
+    """ZeRO-3 at several ranks: every parameter of each sub-group (a rank may hold none of a small one's
+    elements), and this rank's slices of each flat partition."""
+    from stagesafe.zero.engine.checkpoint_load import _names
+
+    optimizer, names = engine.optimizer, _names(engine)
+    groups = getattr(optimizer, "fp16_groups", None)
+    if not hasattr(optimizer, "sub_group_to_group_id") or groups is None or len(groups) != len(layout):
+        return None
+    places, flats = [], []
+    for number, index in enumerate(numbers):
+        for param in groups[index]:
+            name = names.get(id(param))
+            if name is None:
+                return None
+            places.append(Place(param, name, number, -1, torch.Size(param.ds_shape)))
+        flats.append(FlatSlices(number, int(layout[index].numel), tuple(layout[index].slices)))
+    return StatePlaces(file, tuple(places), tuple(flats))
 
 
 class _FilledOnFirstUse(defaultdict):
@@ -218,18 +258,28 @@ class OptimizerViews:
 def attach_views(
     optimizer: torch.optim.Optimizer, files: Mapping[str, Mapping[str, Any]], places: StatePlaces,
     *, on_step: Callable[[], None], copied: threading.Event | None = None, timeout: float = 1800.0,
+    shared: Callable[[float], bool] | None = None,
 ) -> OptimizerViews | None:
     """Fill ``optimizer.state`` with the kept state of each parameter in ``places``: views of its shape into
     the per-element tensors of the kept ``files`` (in host memory; no copy), a copy of each one-value state. None
     (the state left as it is) where the files do not hold the state as laid out (another form, a device tensor
     still to be copied off the device, a tensor too small). ``copied``: the event of the copy off the device
     that makes the files' tensors host ones; the state is then filled on first use (the module's docstring),
-    waiting ``timeout`` seconds at most (then it stays empty, as where no views can be made)."""
+    waiting ``timeout`` seconds at most (then it stays empty, as where no views can be made). ``shared(timeout)``:
+    at several ranks, whether every rank of the host has written its part of the state they share, waiting
+    ``timeout`` seconds at most (the views wait for it as for ``copied``)."""
     names = {id(p.param): p.name for p in places.places}
+
+    def views() -> dict[nn.Parameter, dict[str, Any]] | None:
+        if shared is not None and not shared(timeout):
+            log.warning("stagesafe: a rank of this host did not write its part of the kept optimizer state (it "
+                        "failed, or took over %g s): trainer.optimizers[0].state stays empty", timeout)
+            return None
+        return _views(files, places)
+
     if copied is not None:
-        pending = _FilledOnFirstUse.pending(lambda: _views(files, places), copied, timeout)
-        return OptimizerViews(optimizer, pending, names, on_step=on_step)
-    state = _views(files, places)
+        return OptimizerViews(optimizer, _FilledOnFirstUse.pending(views, copied, timeout), names, on_step=on_step)
+    state = views()
     return OptimizerViews(optimizer, state, names, on_step=on_step) if state is not None else None
 
 
@@ -247,8 +297,13 @@ def _views(files: Mapping[str, Mapping[str, Any]], places: StatePlaces) -> dict[
             continue  # no step yet: as stock, no state
         per_parameter = {}
         for key, value in flat_state.items():
-            if isinstance(value, torch.Tensor) and value.dim() > 0:
-                view = _view(value, place)
+            if isinstance(value, HeldPartition):  # shared per parameter by the ranks of this host
+                held = value.values.get(place.name)
+                if held is None or held.numel() != place.shape.numel():
+                    return None
+                per_parameter[key] = held.view(place.shape)
+            elif isinstance(value, torch.Tensor) and value.dim() > 0:
+                view = _view(value, place) if place.offset >= 0 else None
                 if view is None:
                     return None
                 per_parameter[key] = view
