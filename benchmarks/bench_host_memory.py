@@ -193,7 +193,8 @@ def kept_bytes(module: nn.Module) -> int:
 
 
 def kept_storages(module: nn.Module) -> dict[int, int]:
-    """Address -> bytes of each storage this rank keeps of the last fit's engine."""
+    """Address -> bytes of each storage this rank keeps of the last fit's engine; of the state the ranks of one
+    host share, this rank's share, once every rank has written its part."""
     from stagesafe.stages.history import history_of
     from stagesafe.zero.engine import tensors_in
 
@@ -201,10 +202,15 @@ def kept_storages(module: nn.Module) -> dict[int, int]:
     kept = history.kept if history is not None else None
     if kept is None:
         return {}
+    if kept.shared is not None and kept.copied is not None:  # several ranks of one host: once each has written
+        kept.copied.wait()  # its part (after the call's window), and let go of its partitions
+        kept.shared.ready(600.0)
     tensors = [*tensors_in(kept.checkpoint), *kept.masters.values()]
-    shared = kept.shared.region.private() if kept.shared is not None else None  # several ranks of one host
-    return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in [*tensors, shared]
-            if t is not None and t.numel()}
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t.numel()}
+    if kept.shared is not None:  # the host's ranks hold it once: this rank's share of it
+        region = kept.shared.region
+        storages[region.private().data_ptr()] = region.nbytes // region.ranks
+    return storages
 
 
 def show(everyone: list, info: dict, args: argparse.Namespace) -> None:
