@@ -131,7 +131,8 @@ def share_moments(files: Mapping[str, Mapping[str, Any]] | None, places: zero_en
     except Exception as exc:  # noqa: BLE001 - every rank gets here alike (the collectives raise on all of them)
         for region in made:
             region.close_fd()
-        log.warning("stagesafe: %s failed (%s): after this fit trainer.optimizers[0].state stays empty", what, exc)
+        log.warning("stagesafe: %s failed (%s): after this fit trainer.optimizers[0].state stays empty (the state is "
+                    "kept, and a checkpoint holds it; docs/troubleshooting.md#empty-optimizer-state)", what, exc)
         return None
 
 
