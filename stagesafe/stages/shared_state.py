@@ -38,8 +38,6 @@ __all__ = ["SharedMoments", "share_moments"]
 log = logging.getLogger(__name__)
 
 _ALIGN = 64
-# Where DeepSpeed's optimizer state dict holds the torch optimizer's own (ZeRO-3).
-_TORCH_STATE_KEY = "optimizer_state_dict"
 
 # (parameter name, state key) -> (byte offset in the region, full shape, dtype)
 Layout = dict[tuple[str, str], tuple[int, torch.Size, torch.dtype]]
@@ -61,7 +59,7 @@ class SharedMoments:
         padding, which no parameter's value holds, kept beside). The files' tensors must be on the host. A
         failure is marked, so that no rank waits for this one, and raised."""
         try:
-            numbered = _numbered(files, self.places.file)
+            numbered = zero_engine.numbered_state(files, self.places.file)
             if numbered is None:
                 raise ValueError(f"the kept file {self.places.file!r} holds no optimizer state by number")
             shared, private = self.region.shared(), self.region.private()
@@ -138,7 +136,7 @@ def share_moments(files: Mapping[str, Mapping[str, Any]] | None, places: zero_en
 
 def _report(files: Mapping[str, Mapping[str, Any]] | None, places: zero_engine.StatePlaces) -> tuple[Any, ...]:
     """This rank's host, and each parameter's per-element state as (name, key, shape, dtype), or None."""
-    numbered = _numbered(files, places.file) if files is not None else None
+    numbered = zero_engine.numbered_state(files, places.file) if files is not None else None
     if numbered is None:
         return _host(), None
     keys: dict[int, list[tuple[str, str]]] = {}
@@ -180,13 +178,6 @@ def _host() -> str:
     except OSError:
         boot = ""
     return f"{socket.gethostname()}/{boot}"
-
-
-def _numbered(files: Mapping[str, Mapping[str, Any]], file: str) -> dict[int, dict[str, Any]] | None:
-    held = files.get(file, {}).get("optimizer_state_dict")
-    torch_state = held.get(_TORCH_STATE_KEY) if isinstance(held, Mapping) else None
-    numbered = torch_state.get("state") if isinstance(torch_state, Mapping) else None
-    return numbered if isinstance(numbered, dict) else None
 
 
 def _element_keys(state: Any, numel: int) -> list[str]:

@@ -34,7 +34,14 @@ from stagesafe.zero.engine.checkpoint_load import (
 from stagesafe.zero.engine.broadcasts import flat_broadcasts
 from stagesafe.zero.engine.fp32_partitions import HeldPartition, PartitionRecipe, built_partitions
 from stagesafe.zero.engine.optimizer import OptimizerLayout, optimizer_layout, plain_optimizer, repoint
-from stagesafe.zero.engine.optimizer_views import FlatSlices, OptimizerViews, StatePlaces, attach_views, state_places
+from stagesafe.zero.engine.optimizer_views import (
+    FlatSlices,
+    OptimizerViews,
+    StatePlaces,
+    attach_views,
+    numbered_state,
+    state_places,
+)
 from stagesafe.zero.engine.parameters import full_shape, has_fp32_master, is_zero3_param
 from stagesafe.zero.engine.traces import (
     ModuleFootprint,
@@ -62,6 +69,7 @@ __all__ = [
     "FlatSlices",
     "attach_views",
     "state_places",
+    "numbered_state",
     "GatheredValues",
     "full_specs",
     "partition_from_values",

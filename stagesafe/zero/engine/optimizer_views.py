@@ -39,7 +39,7 @@ from torch import nn
 from stagesafe.errors import InvalidArgumentError, shown
 from stagesafe.zero.engine.fp32_partitions import HeldPartition
 
-__all__ = ["StatePlaces", "FlatSlices", "OptimizerViews", "state_places", "attach_views"]
+__all__ = ["StatePlaces", "FlatSlices", "OptimizerViews", "state_places", "attach_views", "numbered_state"]
 
 log = logging.getLogger(__name__)
 
@@ -285,10 +285,8 @@ def attach_views(
 
 def _views(files: Mapping[str, Mapping[str, Any]], places: StatePlaces) -> dict[nn.Parameter, dict[str, Any]] | None:
     """Each laid-out parameter's state as views into ``files`` (:func:`attach_views`); None where it cannot be."""
-    held = files.get(places.file, {}).get("optimizer_state_dict")
-    torch_state = next((held[k] for k in _TORCH_STATE_KEYS if isinstance(held, Mapping) and k in held), None)
-    numbered = torch_state.get("state") if isinstance(torch_state, Mapping) else None
-    if not isinstance(numbered, Mapping):
+    numbered = numbered_state(files, places.file)
+    if numbered is None:
         return None  # ZeRO 1/2's elastic form (a list per group), or nothing kept
     state: dict[nn.Parameter, dict[str, Any]] = {}
     for place in places.places:
@@ -313,6 +311,15 @@ def _views(files: Mapping[str, Mapping[str, Any]], places: StatePlaces) -> dict[
                 per_parameter[key] = value
         state[place.param] = per_parameter
     return state
+
+
+def numbered_state(files: Mapping[str, Mapping[str, Any]], file: str) -> dict[int, dict[str, Any]] | None:
+    """The torch optimizer's per-partition state (number -> state) in the kept ``file``, None where it holds none
+    so."""
+    held = files.get(file, {}).get("optimizer_state_dict")
+    torch_state = next((held[k] for k in _TORCH_STATE_KEYS if isinstance(held, Mapping) and k in held), None)
+    numbered = torch_state.get("state") if isinstance(torch_state, Mapping) else None
+    return numbered if isinstance(numbered, dict) else None
 
 
 def _view(flat: torch.Tensor, place: Place) -> torch.Tensor | None:
