@@ -21,6 +21,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from torch.distributed.constants import default_pg_timeout
 from torch.nn import Module
 from typing_extensions import override
 
@@ -198,8 +199,7 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         module = self.lightning_module
         assert module is not None
         target = self._handoff_target(trainer)
-        timeout = self._timeout.total_seconds() if self._timeout is not None else 1800.0
-        writer = self.call_series.writer_for(target, module, world_size=self.world_size, timeout=timeout,
+        writer = self.call_series.writer_for(target, module, world_size=self.world_size, timeout=self._wait_seconds,
                                          meta=self.between_stages == "meta", on_commit=say_committed)
         self.call_series.calls += 1
         writer.check(f"entering {trainer.state.fn.value}")  # a failed background write is raised here, on every rank
@@ -369,6 +369,11 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
             self.model = boundary.module
             self._give_back_optimizers(fitted, layout)
 
+    @property
+    def _wait_seconds(self) -> float:
+        """How long stagesafe waits for another rank or thread: the strategy's ``timeout``, as its collectives."""
+        return (self._timeout or default_pg_timeout).total_seconds()
+
     def _give_back_optimizers(self, fitted: bool, layout: Optional[zero_engine.OptimizerLayout]) -> None:
         """After a fit, as stock keeps them: ``trainer.optimizers`` the user's optimizer over the module's
         parameters, the lr as the fit left it (its state views into the kept one at one rank), and
@@ -376,7 +381,10 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         leaves them as the last fit did (Lightning sets them up only for a fit)."""
         if not fitted:
             return
-        self.optimizers = [given_back_optimizer(self.lightning_module, layout)] if layout is not None else []
+        self.optimizers = (
+            [given_back_optimizer(self.lightning_module, layout, timeout=self._wait_seconds)]
+            if layout is not None else []
+        )
         if layout is None:
             self.lr_scheduler_configs = []
 

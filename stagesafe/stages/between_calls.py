@@ -23,14 +23,16 @@ __all__ = [
 ]
 
 
-def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> torch.optim.Optimizer:
+def given_back_optimizer(
+    module: nn.Module | None, layout: OptimizerLayout, *, timeout: float,
+) -> torch.optim.Optimizer:
     """After a fit, the user's optimizer over the module's parameters (:func:`plain_optimizer`), its state the
     fit's kept state where this rank sees each parameter's whole (one rank, or the ranks of one host sharing it:
     :mod:`~stagesafe.stages.shared_state`): views into it, owned by the kept
     state (``KeptTraining.drop_views`` empties them when it goes). A ``step()`` on them makes the kept state match
     no weights. Otherwise its state is empty. Where the kept state is still to be copied off the device, the
-    views are made on the state's first use after the call returned, waiting as long as the module's writer
-    waits for anything (its ``timeout``) at most."""
+    views are made on the state's first use after the call returned, waiting ``timeout`` seconds at most (the
+    strategy's, which its writer waits for anything too)."""
     optimizer = plain_optimizer(layout)
     history = history_of(module) if module is not None else None
     if history is None or module is None:
@@ -49,8 +51,7 @@ def given_back_optimizer(module: nn.Module | None, layout: OptimizerLayout) -> t
             held.outdated(why)
 
     kept.views = attach_views(optimizer, kept.checkpoint, layout.places, on_step=stepped, copied=kept.copied,
-                              timeout=history.writer.timeout if history.writer is not None else 1800.0,
-                              shared=kept.shared.ready if kept.shared is not None else None)
+                              timeout=timeout, shared=kept.shared.ready if kept.shared is not None else None)
     return optimizer
 
 

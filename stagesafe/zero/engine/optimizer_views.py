@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.constants import default_pg_timeout
 
 from stagesafe.errors import InvalidArgumentError, shown
 from stagesafe.zero.engine.fp32_partitions import HeldPartition
@@ -257,7 +258,8 @@ class OptimizerViews:
 
 def attach_views(
     optimizer: torch.optim.Optimizer, files: Mapping[str, Mapping[str, Any]], places: StatePlaces,
-    *, on_step: Callable[[], None], copied: threading.Event | None = None, timeout: float = 1800.0,
+    *, on_step: Callable[[], None], copied: threading.Event | None = None,
+    timeout: float = default_pg_timeout.total_seconds(),
     shared: Callable[[float], bool] | None = None,
 ) -> OptimizerViews | None:
     """Fill ``optimizer.state`` with the kept state of each parameter in ``places``: views of its shape into
