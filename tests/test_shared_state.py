@@ -87,14 +87,9 @@ def test_a_rank_that_gives_up_is_not_waited_for():
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_ranks_share_the_kept_moments_bit_for_bit_and_let_them_go_at_the_next_fit(tmp_path):
-    result = run_script(os.path.join(SCRIPTS, "shared_state.py"), [str(tmp_path)], timeout=300, cwd=str(tmp_path))
-    results = {int(rank): json.loads(text) for _, rank, text in
-               (line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith("RESULT "))}
-    assert sorted(results) == [0, 1]
-    shapes = {"net.0.weight": [[16, 8]] * 2, "net.0.bias": [[16]] * 2, "net.2.weight": [[1, 16]] * 2,
-              "net.2.bias": [[1]] * 2}
+    results = _two_ranks(tmp_path)
     for rank, seen in results.items():
-        assert seen["shapes"] == shapes, rank  # whole, though rank 1 holds none of net.2.bias
+        assert seen["shapes"] == SHAPES, rank  # whole, though rank 1 holds none of net.2.bias
         assert seen["equal_to_deepspeed"], rank
         assert seen["regions"] == 1, rank
         assert seen["between_equal_to_own"], rank
@@ -103,5 +98,31 @@ def test_two_ranks_share_the_kept_moments_bit_for_bit_and_let_them_go_at_the_nex
                                             "zero_pp_rank_0_mp_rank_00_optim_states.pt"], rank
         assert seen["old_state_after_next_fit"] == 0 and seen["new_state"] == 4 and seen["new_optimizer"], rank
         assert not seen["first_region_still_mapped"] and seen["regions_after_next_fit"] == 1, rank
-    assert results[0]["changed_by_step"] == sorted(shapes)
+    assert results[0]["changed_by_step"] == sorted(SHAPES)
     assert results[1]["changed_by_step"] == []  # rank 0's step changed rank 0's state alone
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_ranks_of_layers_built_in_configure_model_under_bf16_share_fp32_moments_and_refuse_a_step(tmp_path):
+    """The module Lightning holds in bf16 between calls; its state is DeepSpeed's fp32 moments, bit for bit, on both
+    ranks, and a ``step()`` that would round the fp32 masters is refused, touching nothing."""
+    results = _two_ranks(tmp_path, "bf16")
+    for rank, seen in results.items():
+        assert seen["module_dtypes"] == ["torch.bfloat16"] and seen["state_dtypes"] == ["torch.float32"], rank
+        assert seen["shapes"] == SHAPES and seen["equal_to_deepspeed"] and seen["regions"] == 1, rank
+        assert seen["changed_by_step"] == [], rank
+    assert "held in torch.bfloat16" in results[0]["step_refused"] and "trainer.fit" in results[0]["step_refused"]
+
+
+SHAPES = {"net.0.weight": [[16, 8]] * 2, "net.0.bias": [[16]] * 2, "net.2.weight": [[1, 16]] * 2,
+          "net.2.bias": [[1]] * 2}
+
+
+def _two_ranks(root, *args: str) -> dict[int, dict]:
+    """tests/scripts/shared_state.py at 2 CPU ranks: what each rank printed."""
+    result = run_script(os.path.join(SCRIPTS, "shared_state.py"), [str(root), *args], timeout=300, cwd=str(root))
+    results = {int(rank): json.loads(text) for _, rank, text in
+               (line.split(" ", 2) for line in result.stdout.splitlines() if line.startswith("RESULT "))}
+    assert sorted(results) == [0, 1]
+    return results

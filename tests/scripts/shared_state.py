@@ -1,12 +1,14 @@
 """The optimizer state a fit gives back at 2 CPU ranks of one host, shared per parameter (stages/shared_state.py).
 
-Usage: python shared_state.py ROOT
+Usage: python shared_state.py ROOT [bf16]
 Lightning starts rank 1 by re-running this command line. AdamW over the 161 parameters of plain_user's Regressor
 (the last bias has one element: rank 1 holds none of it), fit for 4 steps; at the fit's end, with the engine live,
 every rank gathers each parameter's full moments with DeepSpeed's own ``safe_get_full_optimizer_state`` and saves
 DeepSpeed's own checkpoint (``own``). Then, between calls: the given-back optimizer's state beside those moments,
 ``trainer.save_checkpoint`` (``between``) beside ``own``, a ``step()`` on rank 0 alone, the checkpoint written
-after it, and a second fit of 2 steps. Every rank prints "RESULT <rank> <json>".
+after it, and a second fit of 2 steps. With ``bf16``: the layers built in ``configure_model`` (under
+``zero.Init``) and ``precision="bf16-mixed"``; after the fit, the module's dtype, the state's beside DeepSpeed's fp32
+moments, and a ``step()`` on rank 0, which is refused. Every rank prints "RESULT <rank> <json>".
 """
 
 import json
@@ -66,26 +68,71 @@ def _flats(folder: str, rank: int) -> list[torch.Tensor]:
         list(state["fp32_flat_groups"])
 
 
+class BuiltInConfigureModel(Regressor):
+    """Regressor's layers, built where Lightning's docs recommend for large models."""
+
+    def __init__(self) -> None:
+        pl.LightningModule.__init__(self)
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "net"):
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _trainer(root: str, gather: Gather, precision: str) -> pl.Trainer:
+    return pl.Trainer(
+        accelerator="cpu", devices=2, strategy=stagesafe.StageSafeDeepSpeedStrategy(stage=3), max_steps=4,
+        default_root_dir=root, logger=False, enable_progress_bar=False, enable_checkpointing=False,
+        enable_model_summary=False, callbacks=[gather], precision=precision,
+    )
+
+
+def _given_back(trainer: pl.Trainer, model: pl.LightningModule, gather: Gather) -> tuple[dict, dict]:
+    """The given-back optimizer's state by parameter name, and what every rank reports of it."""
+    names = {p: n for n, p in model.named_parameters()}
+    state = {names[p]: held for p, held in trainer.optimizers[0].state.items()}
+    return state, {
+        "names": sorted(state),
+        "shapes": {n: [list(held[k].shape) for k in ("exp_avg", "exp_avg_sq")] for n, held in state.items()},
+        "equal_to_deepspeed": all(torch.equal(state[n][k], gather.moments[n][k])
+                                  for n in gather.moments for k in ("exp_avg", "exp_avg_sq")),
+        "regions": len(_regions()),
+    }
+
+
+def bf16_in_configure_model(root: str) -> None:
+    gather = Gather(os.path.join(root, "own"))
+    trainer = _trainer(root, gather, "bf16-mixed")
+    torch.manual_seed(0)
+    model = BuiltInConfigureModel()
+    trainer.fit(model, data())
+    state, result = _given_back(trainer, model, gather)
+    result["module_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    result["state_dtypes"] = sorted({str(held[k].dtype) for held in state.values() for k in ("exp_avg", "exp_avg_sq")})
+    before = {n: {k: held[k].clone() for k in ("exp_avg", "exp_avg_sq")} for n, held in state.items()}
+    result["step_refused"] = None
+    if trainer.global_rank == 0:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        try:
+            trainer.optimizers[0].step()
+        except stagesafe.InvalidArgumentError as exc:
+            result["step_refused"] = str(exc)
+    dist.barrier()
+    result["changed_by_step"] = sorted(n for n, held in state.items()
+                                       if not all(torch.equal(held[k], before[n][k]) for k in before[n]))
+    print("RESULT", trainer.global_rank, json.dumps(result), flush=True)
+
+
 def main(root: str) -> None:
     own, between, after_step = (os.path.join(root, n) for n in ("own", "between", "after_step"))
     gather = Gather(own)
-    trainer = pl.Trainer(
-        accelerator="cpu", devices=2, strategy=stagesafe.StageSafeDeepSpeedStrategy(stage=3), max_steps=4,
-        default_root_dir=root, logger=False, enable_progress_bar=False, enable_checkpointing=False,
-        enable_model_summary=False, callbacks=[gather],
-    )
+    trainer = _trainer(root, gather, "32-true")
     torch.manual_seed(0)
     model = Regressor()
     trainer.fit(model, data())
-    rank, result = trainer.global_rank, {}
-    optimizer = trainer.optimizers[0]
-    names = {p: n for n, p in model.named_parameters()}
-    state = {names[p]: held for p, held in optimizer.state.items()}
-    result["names"] = sorted(state)
-    result["shapes"] = {n: [list(held[k].shape) for k in ("exp_avg", "exp_avg_sq")] for n, held in state.items()}
-    result["equal_to_deepspeed"] = all(torch.equal(state[n][k], gather.moments[n][k])
-                                       for n in gather.moments for k in ("exp_avg", "exp_avg_sq"))
-    result["regions"] = len(_regions())
+    rank, optimizer = trainer.global_rank, trainer.optimizers[0]
+    state, result = _given_back(trainer, model, gather)
     first_regions = _regions()
 
     trainer.save_checkpoint(between)
@@ -123,4 +170,7 @@ def main(root: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[2:] == ["bf16"]:
+        bf16_in_configure_model(sys.argv[1])
+    else:
+        main(sys.argv[1])
