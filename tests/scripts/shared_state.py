@@ -100,6 +100,23 @@ def _given_back(trainer: pl.Trainer, model: pl.LightningModule, gather: Gather) 
     }
 
 
+def _step_on_rank_zero(trainer: pl.Trainer, model: pl.LightningModule, state: dict) -> tuple[list[str], str | None]:
+    """A ``step()`` of the given-back optimizer on rank 0 alone: the parameters whose state it changed on this rank,
+    and the refusal's message, if it was refused."""
+    before = {n: {k: held[k].clone() for k in ("exp_avg", "exp_avg_sq")} for n, held in state.items()}
+    refused = None
+    if trainer.global_rank == 0:
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        try:
+            trainer.optimizers[0].step()
+        except stagesafe.InvalidArgumentError as exc:
+            refused = str(exc)
+    dist.barrier()
+    changed = sorted(n for n, held in state.items() if not all(torch.equal(held[k], before[n][k]) for k in before[n]))
+    return changed, refused
+
+
 def bf16_in_configure_model(root: str) -> None:
     gather = Gather(os.path.join(root, "own"))
     trainer = _trainer(root, gather, "bf16-mixed")
@@ -109,18 +126,7 @@ def bf16_in_configure_model(root: str) -> None:
     state, result = _given_back(trainer, model, gather)
     result["module_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     result["state_dtypes"] = sorted({str(held[k].dtype) for held in state.values() for k in ("exp_avg", "exp_avg_sq")})
-    before = {n: {k: held[k].clone() for k in ("exp_avg", "exp_avg_sq")} for n, held in state.items()}
-    result["step_refused"] = None
-    if trainer.global_rank == 0:
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        try:
-            trainer.optimizers[0].step()
-        except stagesafe.InvalidArgumentError as exc:
-            result["step_refused"] = str(exc)
-    dist.barrier()
-    result["changed_by_step"] = sorted(n for n, held in state.items()
-                                       if not all(torch.equal(held[k], before[n][k]) for k in before[n]))
+    result["changed_by_step"], result["step_refused"] = _step_on_rank_zero(trainer, model, state)
     print("RESULT", trainer.global_rank, json.dumps(result), flush=True)
 
 
@@ -140,14 +146,8 @@ def main(root: str) -> None:
     mine, theirs = _flats(between, rank), _flats(own, rank)
     result["between_equal_to_own"] = len(mine) == len(theirs) and all(torch.equal(a, b) for a, b in zip(mine, theirs))
 
-    before = {n: {k: held[k].clone() for k in ("exp_avg", "exp_avg_sq")} for n, held in state.items()}
-    if rank == 0:
-        for p in model.parameters():
-            p.grad = torch.ones_like(p)
-        optimizer.step()
-    dist.barrier()
-    result["changed_by_step"] = sorted(n for n, held in state.items()
-                                       if not all(torch.equal(held[k], before[n][k]) for k in before[n]))
+    result["changed_by_step"], refused = _step_on_rank_zero(trainer, model, state)
+    assert refused is None, refused
     with open(os.devnull, "w") as quiet:
         stderr, sys.stderr = sys.stderr, quiet
         try:
@@ -158,7 +158,7 @@ def main(root: str) -> None:
     tag = open(os.path.join(after_step, "latest")).read().strip()
     result["after_step_files"] = sorted(os.listdir(os.path.join(after_step, tag)))
 
-    del state, before  # the views this script holds (as a user may) keep the memory they look into
+    del state  # the views this script holds (as a user may) keep the memory they look into
     trainer.fit_loop.epoch_loop.max_steps = 6  # the same Trainer: another would start rank 1 again
     trainer.fit(model, data())
     result["old_state_after_next_fit"] = len(optimizer.state)
