@@ -87,6 +87,17 @@ def test_rank_0_killed_during_the_background_write_is_named_on_rank_1_as_a_distr
     assert not os.path.exists(os.path.join(tmp_path, "handoff", "stagesafe.json"))  # nothing committed
 
 
+def test_rank_0_stays_at_exit_until_a_slower_rank_has_read_its_word_on_the_commit(tmp_path):
+    """Both ranks join the write and the script ends; rank 0, whose process hosts the job's key-value store, would
+    end at once while rank 1's write thread (3 s late here) still has to read rank 0's word there."""
+    results, records = _run("rank1_slow_to_read", tmp_path)
+    assert [r.returncode for r in results] == [0, 0]
+    (fit0, joined0), (fit1, joined1) = records[0], records[1]
+    assert joined1["error"] is None, _error(joined1)  # the old tree: DistributedStageError, "rank 0 did not answer"
+    assert fit0["error"] is None and fit1["error"] is None and joined0["error"] is None
+    assert joined0["handoff_digest"] == fit0["digest"] == fit1["digest"]
+
+
 def test_a_deleted_handoff_is_written_again_by_the_next_stage(tmp_path):
     _, records = _run("vanished", tmp_path)
     fit, joined, test, rejoined = records[0]

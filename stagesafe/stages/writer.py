@@ -158,6 +158,7 @@ class HandoffWriter:
         self._count = 0
         self._write: _Write | None = None
         self._alone: tuple[JobChannel, str] | None = None  # rank 0's lone write after a failed call, not yet awaited
+        self._committed: JobChannel | None = None  # rank 0: the last commit's keys; it exits once all read its word
         self._exit_hook = False
         self.failed: tuple[str, BaseException] | None = None  # the last joined write's URL and failure, until one commits
 
@@ -268,6 +269,8 @@ class HandoffWriter:
         if self.rank == 0:
             write.committed.settle(commit, error)
             write.channel.post_outcome("outcome", Outcome.of(error))  # the commit's outcome, for every rank
+            if error is None:  # every rank gave its share: each is there to read the word, and exit waits for it
+                self._committed = write.channel
         else:
             write.committed.settle(None, self._rank_zeros_word(write, error))
         if commit is not None:
@@ -289,6 +292,10 @@ class HandoffWriter:
                 "(resume_from=<the handoff's URL>)",
                 failures={0: describe(exc)},
             )
+        try:
+            write.channel.post(f"left/{self.rank}", "")  # read: rank 0, which hosts the store, may exit now
+        except Exception:  # noqa: BLE001 - rank 0 left already: it was not waiting
+            pass
         if error is not None or word.ok:
             return error
         return DistributedStageError(
@@ -444,21 +451,34 @@ class HandoffWriter:
             self.join()
         except Exception as exc:  # noqa: BLE001 - raised once the others have read the outcome
             error = exc
-        try:
-            write.channel.post(f"left/{self.rank}", "")
-            if self.rank == 0:
-                others = [f"left/{r}" for r in range(write.channel.world)]
-                write.channel.wait(others, what="exit", timeout=_EXIT_ACK_WAIT)
-        except Exception:  # noqa: BLE001 - the others are gone: nobody is waiting for the outcome
-            pass
+        self.stay_until_read(write.channel)
         if error is not None:
             raise error
+
+    def stay_until_read(self, channel: JobChannel | None) -> None:
+        """At exit: this rank says it has left ``channel``'s write; rank 0, which hosts the job's key-value store
+        under Lightning's launcher, stays until every rank has (or :data:`_EXIT_ACK_WAIT` seconds have passed).
+        Also after a joined commit: a script whose ranks all called ``wait_for_handoff()`` ends on rank 0 as soon
+        as its own join returns, while another rank's write thread may still be about to read rank 0's word."""
+        if channel is None:
+            return
+        try:
+            channel.post(f"left/{self.rank}", "")
+            if self.rank == 0:
+                others = [f"left/{r}" for r in range(channel.world)]
+                channel.wait(others, what="exit", timeout=_EXIT_ACK_WAIT)
+        except Exception:  # noqa: BLE001 - the others are gone: nobody is waiting for the outcome
+            pass
 
 
 def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
     """Before concurrent.futures' own exit hook: finish the write, or fail the process."""
     writer = ref()
-    if writer is None or not writer.pending:
+    if writer is None:
+        return
+    if not writer.pending:
+        if writer.rank == 0:
+            writer.stay_until_read(writer._committed)
         return
     uri = writer.pending_uri
     write = writer._write

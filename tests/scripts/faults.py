@@ -5,6 +5,8 @@ Usage: python faults.py CASE ROOT [HANDOFF_URI]
   disk_full_then_fit   the same, then another fit: its entry raises the failure; a fit after that writes again.
   rank0_killed_mid_write  rank 0 kills itself with SIGKILL as it is about to commit the background write after
                        fit; rank 1 records what wait_for_handoff() raises, then leaves at once.
+  rank1_slow_to_read   fit; rank 1's write thread reads rank 0's word on the commit 3 s late; both ranks join
+                       (wait_for_handoff()) and the script ends: rank 0 returns at once.
   disk_full_wait_again  fit, whose handoff fails (disk full); wait_for_handoff() three times, then
                        acknowledge_handoff_failure() and once more. Rank 0 logs the boundary lines on stderr.
   vanished             fit, wait; the handoff folder is deleted; test: the stage writes it again.
@@ -116,6 +118,12 @@ def main() -> None:
         record("fit", module, fit)
         record("joined", module, t.strategy.wait_for_handoff)
         os._exit(0)  # rank 0 is gone: no teardown of the process group
+    if case == "rank1_slow_to_read":
+        if RANK == 1:
+            _read_rank_zeros_word_late(3.0)
+        record("fit", module, fit)
+        record("joined", module, t.strategy.wait_for_handoff, handoff=handoff)
+        return
     if case == "disk_full_wait_again":
         import logging
 
@@ -177,6 +185,21 @@ def _die_before_the_commit() -> None:
         real(fs, path, data)
 
     folder.write_atomic = write_atomic
+
+
+def _read_rank_zeros_word_late(seconds: float) -> None:
+    """This rank's write thread reads rank 0's word on the commit ``seconds`` late, as a loaded machine may."""
+    import time
+
+    from stagesafe.stages.writer import HandoffWriter
+
+    real = HandoffWriter._rank_zeros_word
+
+    def late(self, write, error):
+        time.sleep(seconds)
+        return real(self, write, error)
+
+    HandoffWriter._rank_zeros_word = late
 
 
 def _leave_at_once() -> None:
