@@ -147,12 +147,14 @@ print("started", flush=True)
 """
 
 
-def test_ctrl_c_after_the_commit_landed_says_it_was_committed(tmp_path):
-    """The exit hook commits, then rank 0 waits for the others to read the outcome: Ctrl+C there must not
-    report an uncommitted write while the handoff holds it."""
+@pytest.mark.parametrize("joined", [False, True], ids=["pending-at-exit", "joined-before-exit"])
+def test_ctrl_c_after_the_commit_landed_says_it_was_committed(tmp_path, joined):
+    """Rank 0 commits (in the exit hook, or in a join before the script ends), then waits at exit for the others
+    to read the outcome: Ctrl+C there ends it with status 130 and says the handoff was committed, no traceback."""
     uri = str(tmp_path / "h")
+    script = _COMMITTED_THEN_WAITING + ("writer.join()\n" if joined else "")
     proc = subprocess.Popen(
-        [sys.executable, "-c", _COMMITTED_THEN_WAITING, uri],
+        [sys.executable, "-c", script, uri],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=sanitized_env(),
     )
     assert proc.stdout.readline().startswith("started")
@@ -164,6 +166,7 @@ def test_ctrl_c_after_the_commit_landed_says_it_was_committed(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     assert "it was committed before the interrupt" in err and "not committed" not in err, err
+    assert "Traceback" not in err, err  # the old tree, joined: KeyboardInterrupt in threading's exit hook
     assert torch.equal(stagesafe.load_state_dict(uri)["w"], torch.ones(3))
 
 

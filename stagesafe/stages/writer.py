@@ -158,9 +158,9 @@ class HandoffWriter:
         self._count = 0
         self._write: _Write | None = None
         self._alone: tuple[JobChannel, str] | None = None  # rank 0's lone write after a failed call, not yet awaited
-        self._committed: JobChannel | None = None  # rank 0: the last commit's keys; it exits once all read its word
+        self._last_commit: JobChannel | None = None  # rank 0: the last commit's keys; it exits once all read its word
         self._exit_hook = False
-        self.failed: tuple[str, BaseException] | None = None  # the last joined write's URL and failure, until one commits
+        self.failed: tuple[str, BaseException] | None = None  # the last joined write: URL, failure (until a commit)
 
     @property
     def rank(self) -> int:
@@ -270,7 +270,7 @@ class HandoffWriter:
             write.committed.settle(commit, error)
             write.channel.post_outcome("outcome", Outcome.of(error))  # the commit's outcome, for every rank
             if error is None:  # every rank gave its share: each is there to read the word, and exit waits for it
-                self._committed = write.channel
+                self._last_commit = write.channel  # not the write: its hooks hold the kept state
         else:
             write.committed.settle(None, self._rank_zeros_word(write, error))
         if commit is not None:
@@ -292,10 +292,7 @@ class HandoffWriter:
                 "(resume_from=<the handoff's URL>)",
                 failures={0: describe(exc)},
             )
-        try:
-            write.channel.post(f"left/{self.rank}", "")  # read: rank 0, which hosts the store, may exit now
-        except Exception:  # noqa: BLE001 - rank 0 left already: it was not waiting
-            pass
+        self._say_left(write.channel)  # read: rank 0, which hosts the store, may exit now
         if error is not None or word.ok:
             return error
         return DistributedStageError(
@@ -462,12 +459,25 @@ class HandoffWriter:
         as its own join returns, while another rank's write thread may still be about to read rank 0's word."""
         if channel is None:
             return
+        self._say_left(channel)
+        if self.rank != 0:
+            return
+        try:
+            channel.wait([f"left/{r}" for r in range(channel.world)], what="exit", timeout=_EXIT_ACK_WAIT)
+        except Exception:  # noqa: BLE001 - the others are gone: nobody is waiting for the outcome
+            pass
+
+    def stay_after_last_commit(self) -> None:
+        """At exit with no write pending: rank 0 stays until every rank has read its word on the last commit
+        (see :meth:`stay_until_read`)."""
+        if self.rank == 0:
+            self.stay_until_read(self._last_commit)
+
+    def _say_left(self, channel: JobChannel) -> None:
+        """Tell rank 0 that this rank has read its word on ``channel``'s write and may be left."""
         try:
             channel.post(f"left/{self.rank}", "")
-            if self.rank == 0:
-                others = [f"left/{r}" for r in range(channel.world)]
-                channel.wait(others, what="exit", timeout=_EXIT_ACK_WAIT)
-        except Exception:  # noqa: BLE001 - the others are gone: nobody is waiting for the outcome
+        except Exception:  # noqa: BLE001 - rank 0 left already: it was not waiting
             pass
 
 
@@ -477,21 +487,25 @@ def _join_at_exit(ref: "weakref.ref[HandoffWriter]") -> None:
     if writer is None:
         return
     if not writer.pending:
-        if writer.rank == 0:
-            writer.stay_until_read(writer._committed)
-        return
-    uri = writer.pending_uri
-    write = writer._write
-    try:
-        writer.join_at_exit()
-        if writer.rank == 0:
-            log.info("stagesafe: the handoff %s was committed before the interpreter exited", uri)
-        return
-    except KeyboardInterrupt:
-        message = f"interrupted while the handoff {uri!r} was being written; {_committed_or_not(write)}"
-        status = 130
-    except Exception as exc:  # noqa: BLE001 - the process must not end as if all went well
-        message, status = f"the handoff write to {uri!r} failed as the interpreter exited: {describe(exc)}", 1
+        try:
+            writer.stay_after_last_commit()
+            return
+        except KeyboardInterrupt:  # the commit landed; only the wait for the others to read it was cut short
+            message, status = (f"interrupted at exit while the other ranks read the outcome of the handoff "
+                               f"{writer.uri!r}; {_committed_or_not(writer, writer._last_commit)}"), 130
+    else:
+        uri, write = writer.pending_uri, writer._write
+        channel = None if write is None else write.channel
+        try:
+            writer.join_at_exit()
+            if writer.rank == 0:
+                log.info("stagesafe: the handoff %s was committed before the interpreter exited", uri)
+            return
+        except KeyboardInterrupt:
+            message = f"interrupted while the handoff {uri!r} was being written; {_committed_or_not(writer, channel)}"
+            status = 130
+        except Exception as exc:  # noqa: BLE001 - the process must not end as if all went well
+            message, status = f"the handoff write to {uri!r} failed as the interpreter exited: {describe(exc)}", 1
     log.error("stagesafe: rank %d: %s; the process exits with status %d", writer.rank, message, status)
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -522,13 +536,14 @@ class _WriteThread(threading.Thread):
         self.join(self._writer.timeout)
 
 
-def _committed_or_not(write: _Write | None) -> str:
-    """What is true of an interrupted write, asked of the handoff there now: a commit may have landed just before."""
-    if write is None:
+def _committed_or_not(writer: HandoffWriter, channel: JobChannel | None) -> str:
+    """What is true of an interrupted write (``channel``'s keys), asked of the handoff in ``writer``'s folder now:
+    a commit may have landed just before."""
+    if channel is None:
         return "whether it was committed is unknown: run stagesafe verify on it"
     try:
-        options = dict(write.storage_options or {})
-        live = is_live_commit(write.uri, write.channel.prefix, storage_options=options)
+        options = dict(writer.storage_options or {})
+        live = is_live_commit(writer.uri, channel.prefix, storage_options=options)
     except HandoffNotFoundError:
         return "it was not committed: the folder holds no handoff"
     except Exception as exc:  # noqa: BLE001 - unreadable: said as such
