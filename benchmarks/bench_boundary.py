@@ -227,8 +227,13 @@ class Timeline:
 def end_distributed_job() -> None:
     """End the job's process group, as torch asks a distributed program to: without it, gloo's threads may be
     torn down while the interpreter finalizes, and the process aborts ("terminate called without an active
-    exception", seen in CI after all of a job's work was done). Every background write is joined by then."""
-    if dist.is_initialized():
+    exception", seen in CI after all of a job's work was done). DeepSpeed's function also lets go of its copy of
+    the world group, whose threads torch's alone leaves running. Every background write is joined by then."""
+    import deepspeed.comm
+
+    if deepspeed.comm.is_initialized():
+        deepspeed.comm.destroy_process_group()
+    elif dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -23,6 +23,7 @@ import os
 import tempfile
 from typing import Any
 
+import deepspeed.comm
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -107,6 +108,7 @@ def test(args: argparse.Namespace) -> None:
     model = TinyLM()
     t = trainer(args, strategy)
     (metrics,) = t.test(model, data(seed=2), verbose=False)
+    strategy.wait_for_handoff()  # every rank: test's handoff is committed before the job ends
     if t.global_rank != 0:
         return
     # Without Lightning: stagesafe.restore loads the same handoff into any module of the same class.
@@ -135,3 +137,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    if deepspeed.comm.is_initialized():  # the groups end while the interpreter is whole (docs/troubleshooting.md)
+        deepspeed.comm.destroy_process_group()

@@ -53,3 +53,31 @@ def test_a_launched_process_destroys_its_process_group_at_exit_while_the_interpr
     from tests._launch import free_port
 
     assert run_script(str(script), [str(free_port())], timeout=120).stdout.split() == ["made", "True", "after", "False"]
+
+
+def test_the_exit_hook_ends_the_threads_of_deepspeeds_copy_of_the_world_group(tmp_path):
+    """ZeRO keeps a copy of the world group (``deepspeed.utils.groups._WORLD_GROUP``): torch's
+    ``destroy_process_group`` alone left its gloo threads running into the interpreter's teardown, where a rank
+    aborted in CI ("terminate called without an active exception") after all its work was done."""
+    script = tmp_path / "deepspeed_group.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, threading
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+        import deepspeed, torch
+        from deepspeed.utils import groups
+        from sitecustomize import destroy_process_group_at_exit
+
+        def native_threads():
+            return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+        before = native_threads()
+        deepspeed.init_distributed(dist_backend="gloo")
+        torch.distributed.all_reduce(torch.ones(3), group=groups._clone_world_group())
+        print("running", native_threads() > before)
+        destroy_process_group_at_exit()
+        print("left", native_threads() - before, groups._WORLD_GROUP)
+    """))
+    from tests._launch import free_port
+
+    out = run_script(str(script), [str(free_port())], timeout=180).stdout.split()
+    assert out[-5:] == ["running", "True", "left", "0", "None"], out

@@ -7,8 +7,11 @@
   work is done (``terminate called without an active exception``, exit -6: gloo's worker threads still hold
   objects whose release needs the interpreter; pytorch/pytorch#190489). Lightning never destroys the group it
   made, stock or stagesafe, so scripts that end after a Trainer call did so at random under load. At exit the
-  default group is destroyed while the interpreter is still whole, as torch's docs ask of every script. This
-  runs after every other exit hook (the first registered runs last): the handoff's writer has finished by then.
+  groups are destroyed while the interpreter is still whole, as torch's docs ask of every script, through
+  DeepSpeed's ``destroy_process_group`` where DeepSpeed started them: torch's alone leaves gloo's threads running
+  for the copy of the world group that DeepSpeed keeps (``deepspeed.utils.groups._WORLD_GROUP``), and CI saw a
+  rank abort so after its work was done. This runs after every other exit hook (the first registered runs
+  last): the handoff's writer has finished by then.
 """
 
 import atexit
@@ -20,10 +23,13 @@ for _stream in (sys.stdout, sys.stderr):
 
 
 def destroy_process_group_at_exit() -> None:
-    """Destroy the default process group if this process made one (torch is not imported for this)."""
+    """Destroy the process groups if this process made any (neither torch nor DeepSpeed is imported for this)."""
     dist = sys.modules.get("torch.distributed")
+    deepspeed_comm = sys.modules.get("deepspeed.comm")
     try:
-        if dist is not None and dist.is_available() and dist.is_initialized():
+        if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+            deepspeed_comm.destroy_process_group()  # torch's groups, then DeepSpeed's references to them
+        elif dist is not None and dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the group stayed
         print(f"sitecustomize: could not destroy the process group at exit: {exc!r}", file=sys.stderr)
