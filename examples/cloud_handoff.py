@@ -23,7 +23,6 @@ import os
 import tempfile
 from typing import Any
 
-import deepspeed.comm
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -137,5 +136,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if deepspeed.comm.is_initialized():  # the groups end while the interpreter is whole (docs/troubleshooting.md)
-        deepspeed.comm.destroy_process_group()

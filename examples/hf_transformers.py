@@ -21,7 +21,6 @@ import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything here is local; never reach for the Hub
 
-import deepspeed.comm
 import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -124,5 +123,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if deepspeed.comm.is_initialized():  # the groups end while the interpreter is whole (docs/troubleshooting.md)
-        deepspeed.comm.destroy_process_group()

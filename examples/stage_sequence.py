@@ -19,7 +19,6 @@ import os
 import tempfile
 import warnings
 
-import deepspeed.comm
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -122,5 +121,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    if deepspeed.comm.is_initialized():  # the groups end while the interpreter is whole (docs/troubleshooting.md)
-        deepspeed.comm.destroy_process_group()

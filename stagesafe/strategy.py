@@ -48,6 +48,7 @@ from stagesafe.strategy_arguments import (
 from stagesafe.strategy_bases.checkpoint_hooks import CheckpointHooks
 from stagesafe.strategy_bases.guarded_collectives import GuardedCollectives
 from stagesafe.strategy_bases.handoff_waits import HandoffWaits, StageReturned
+from stagesafe.strategy_bases.process_groups_at_exit import end_process_groups_at_exit
 from stagesafe.trainer_messages import (
     say_committed,
     say_optimizer_resumed,
@@ -181,6 +182,15 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
 
             read_manifest(self.resume_from, storage_options=self.storage_options or None)
         super().setup_environment()
+
+    @override
+    def _init_deepspeed_distributed(self) -> None:
+        """Lightning's; the process groups DeepSpeed starts here are ended as the interpreter exits
+        (:mod:`~stagesafe.strategy_bases.process_groups_at_exit`). A group that was up before is its owner's."""
+        started_here = not collectives.is_up()
+        super()._init_deepspeed_distributed()
+        if started_here:
+            end_process_groups_at_exit()
 
     @contextlib.contextmanager
     @override

@@ -9,5 +9,7 @@ share):
 - :mod:`~stagesafe.strategy_bases.guarded_collectives`: Lightning's collectives, each inside the guard of
   :mod:`~stagesafe.stages.collective_guard`;
 - :mod:`~stagesafe.strategy_bases.handoff_waits`: the handoff's write as the user sees it (``wait_for_handoff``,
-  ``acknowledge_handoff_failure``, ``last_boundary``) and the Trainer's last hook of a call.
+  ``acknowledge_handoff_failure``, ``last_boundary``) and the Trainer's last hook of a call;
+- :mod:`~stagesafe.strategy_bases.process_groups_at_exit`: the process groups DeepSpeed started for the strategy,
+  ended as the interpreter exits.
 """

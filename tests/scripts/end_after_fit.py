@@ -17,6 +17,11 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   thread_rule       fit, then Lightning's test-suite thread check (its conftest's logic): every thread the fit
                     left must be a daemon whose stop() leaves it dead; print "STOPPED <names>", then what
                     strategy.deepspeed_engine raises, then the committed handoff's digest ("HANDOFF").
+  groups_at_exit    fit, end; a hook registered before the Trainer (so run after the strategy's own at exit,
+                    before tests/_launched/sitecustomize.py's) prints "AT_EXIT <rank> <torch's group up>
+                    <DeepSpeed's copy of the world group held>".
+  own_group         the same, with the process group started by the script (deepspeed.init_distributed) before
+                    the Trainer: the user's, which the strategy leaves alone.
 Rank 0 prints "DIGEST <sha256>" (and "TESTED <sha256>" after a test).
 """
 
@@ -54,6 +59,8 @@ def main() -> None:
         logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=root, callbacks=[_SaveAtTheEnd(os.path.join(root, "during.ckpt"))] if mode == "files" else None,
     )
+    if mode in ("groups_at_exit", "own_group"):
+        _report_groups_at_exit(rank, start_group=mode == "own_group")
     torch.manual_seed(0)
     module = ToyModule()
     threads_before = set(threading.enumerate())
@@ -107,6 +114,23 @@ def main() -> None:
         if rank == 0:
             print("TESTED", state_digest(module), flush=True)
     # the script ends here: the handoff of the last fit may still be being written
+
+
+def _report_groups_at_exit(rank: int, *, start_group: bool) -> None:
+    """Print, at exit, what is left of the process groups once every hook registered after this one has run."""
+    import atexit
+
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.utils import groups
+
+    if start_group:
+        deepspeed.init_distributed(dist_backend="gloo")
+
+    def report() -> None:
+        print("AT_EXIT", rank, dist.is_initialized(), groups._WORLD_GROUP is not None, flush=True)
+
+    atexit.register(report)
 
 
 class _SaveAtTheEnd(pl.Callback):
