@@ -235,6 +235,7 @@ def end_distributed_job() -> None:
         deepspeed.comm.destroy_process_group()
     elif dist.is_initialized():
         dist.destroy_process_group()
+    gc.collect()  # the groups' last references may sit in cycles: their threads end with them (troubleshooting)
 
 
 def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]:

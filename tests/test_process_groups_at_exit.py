@@ -25,10 +25,14 @@ def _at_exit(tmp_path, mode: str) -> list[list[str]]:
     return [[line.split()[1:] for line in r.stdout.splitlines() if line.startswith("AT_EXIT ")] for r in results]
 
 
-def test_a_script_that_ends_after_fit_has_its_process_groups_ended_at_exit(tmp_path):
-    # rank, torch's group up, DeepSpeed's copy of the world group held: both gone on both ranks
-    assert _at_exit(tmp_path, "groups_at_exit") == [[["0", "False", "False"]], [["1", "False", "False"]]]
+def test_a_script_that_ends_after_fit_and_test_has_its_process_groups_ended_at_exit(tmp_path):
+    """After a ``test`` the groups' last references sit in reference cycles: without the collection, six gloo
+    threads of two groups were left on each rank, though the groups were destroyed."""
+    # rank, torch's group up, DeepSpeed's copy of the world group held, gloo threads left
+    assert _at_exit(tmp_path, "groups_at_exit") == [[["0", "False", "False", "0"]], [["1", "False", "False", "0"]]]
 
 
 def test_a_process_group_the_user_started_is_left_to_the_user(tmp_path):
-    assert _at_exit(tmp_path, "own_group") == [[["0", "True", "True"]], [["1", "True", "True"]]]
+    reports = _at_exit(tmp_path, "own_group")
+    assert [report[:3] for (report,) in reports] == [["0", "True", "True"], ["1", "True", "True"]]
+    assert all(int(report[3]) > 0 for (report,) in reports)  # its threads run on: it is still up

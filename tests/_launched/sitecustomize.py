@@ -10,11 +10,14 @@
   groups are destroyed while the interpreter is still whole, as torch's docs ask of every script, through
   DeepSpeed's ``destroy_process_group`` where DeepSpeed started them: torch's alone leaves gloo's threads running
   for the copy of the world group that DeepSpeed keeps (``deepspeed.utils.groups._WORLD_GROUP``), and CI saw a
-  rank abort so after its work was done. This runs after every other exit hook (the first registered runs
-  last): the handoff's writer has finished by then.
+  rank abort so after its work was done. A collection follows: after a ``test`` or ``predict`` the groups' last
+  references sit in reference cycles of released DeepSpeed objects, and their threads end only when those go
+  (stagesafe's strategy does the same for the groups it started, ``strategy_bases/process_groups_at_exit.py``).
+  This runs after every other exit hook (the first registered runs last): the handoff's writer has finished by then.
 """
 
 import atexit
+import gc
 import sys
 
 for _stream in (sys.stdout, sys.stderr):
@@ -33,6 +36,8 @@ def destroy_process_group_at_exit() -> None:
             dist.destroy_process_group()
     except Exception as exc:  # noqa: BLE001 - exiting anyway; say why the group stayed
         print(f"sitecustomize: could not destroy the process group at exit: {exc!r}", file=sys.stderr)
+    if dist is not None:
+        gc.collect()
 
 
 atexit.register(destroy_process_group_at_exit)

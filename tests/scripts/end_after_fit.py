@@ -17,9 +17,9 @@ SPEC: {"mode": "fit" | "per_rank_folders" | "resume", "root": DIR, "handoff_uri"
   thread_rule       fit, then Lightning's test-suite thread check (its conftest's logic): every thread the fit
                     left must be a daemon whose stop() leaves it dead; print "STOPPED <names>", then what
                     strategy.deepspeed_engine raises, then the committed handoff's digest ("HANDOFF").
-  groups_at_exit    fit, end; a hook registered before the Trainer (so run after the strategy's own at exit,
+  groups_at_exit    fit, test, end; a hook registered before the Trainer (so run after the strategy's own at exit,
                     before tests/_launched/sitecustomize.py's) prints "AT_EXIT <rank> <torch's group up>
-                    <DeepSpeed's copy of the world group held>".
+                    <DeepSpeed's copy of the world group held> <gloo threads left>".
   own_group         the same, with the process group started by the script (deepspeed.init_distributed) before
                     the Trainer: the user's, which the strategy leaves alone.
 Rank 0 prints "DIGEST <sha256>" (and "TESTED <sha256>" after a test).
@@ -109,7 +109,7 @@ def main() -> None:
             print("STOPPED", ",".join(stopped) or "-", flush=True)
             print("HANDOFF", state_digest_of(stagesafe.load_state_dict(strategy.last_boundary.uri)), flush=True)
         _lightnings_warnings(trainer, module, root, rank)
-    if mode == "per_rank_folders":
+    if mode in ("per_rank_folders", "groups_at_exit", "own_group"):
         trainer.test(module, dataloaders=dataloader(), verbose=False)
         if rank == 0:
             print("TESTED", state_digest(module), flush=True)
@@ -128,9 +128,22 @@ def _report_groups_at_exit(rank: int, *, start_group: bool) -> None:
         deepspeed.init_distributed(dist_backend="gloo")
 
     def report() -> None:
-        print("AT_EXIT", rank, dist.is_initialized(), groups._WORLD_GROUP is not None, flush=True)
+        gloo = [name for name in _thread_names() if "gloo" in name]
+        print("AT_EXIT", rank, dist.is_initialized(), groups._WORLD_GROUP is not None, len(gloo), flush=True)
 
     atexit.register(report)
+
+
+def _thread_names() -> list[str]:
+    """The names of this process's native threads (gloo's are ``gloo_tcp_loop`` and ``pt_gloo_runloop``)."""
+    names = []
+    for task in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{task}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
 
 
 class _SaveAtTheEnd(pl.Callback):
