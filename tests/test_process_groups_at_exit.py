@@ -2,7 +2,8 @@
 
 A gloo group alive at the interpreter's teardown can abort a rank after all its work (exit -6, "terminate called
 without an active exception"): scripts that end right after ``fit`` did so at random. The abort is rare, so the
-tests check its cause instead: whether the groups are still up once the strategy's exit hook has run.
+tests check its cause instead: whether the groups are still up, and their gloo threads running, once the
+strategy's exit hook has run.
 """
 
 from __future__ import annotations
