@@ -225,17 +225,11 @@ class Timeline:
 
 
 def end_distributed_job() -> None:
-    """End the job's process group, as torch asks a distributed program to: without it, gloo's threads may be
-    torn down while the interpreter finalizes, and the process aborts ("terminate called without an active
-    exception", seen in CI after all of a job's work was done). DeepSpeed's function also lets go of its copy of
-    the world group, whose threads torch's alone leaves running. Every background write is joined by then."""
-    import deepspeed.comm
+    """End the job's process groups, as torch asks a distributed program to, the way the strategy does at exit
+    (see :mod:`stagesafe.strategy_bases.process_groups_at_exit`). Every background write is joined by then."""
+    from stagesafe.strategy_bases.process_groups_at_exit import end_process_groups
 
-    if deepspeed.comm.is_initialized():
-        deepspeed.comm.destroy_process_group()
-    elif dist.is_initialized():
-        dist.destroy_process_group()
-    gc.collect()  # the groups' last references may sit in cycles: their threads end with them (troubleshooting)
+    end_process_groups()
 
 
 def device_to_host_seconds(nbytes: int, accelerator: str) -> tuple[float, float]:

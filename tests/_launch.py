@@ -400,13 +400,14 @@ def two_ranks(tmp_path_factory):
 
 
 def end_process_group() -> None:
-    """Undo a test's in-process process group: torch's, and DeepSpeed's copy of it (``groups._WORLD_GROUP``),
-    which a later group in the same process would otherwise meet as "not registered"."""
-    import torch.distributed as dist
+    """Undo a test's in-process process group as the strategy does at exit, and DeepSpeed's copy of the world group
+    (``groups._WORLD_GROUP``) where torch's was started directly: a later group in the same process would otherwise
+    meet it as "not registered"."""
     from deepspeed.utils import groups
 
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    from stagesafe.strategy_bases.process_groups_at_exit import end_process_groups
+
+    end_process_groups()
     groups._WORLD_GROUP = None
 
 

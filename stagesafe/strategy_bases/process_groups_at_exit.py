@@ -22,28 +22,36 @@ import gc
 import logging
 import sys
 
-__all__ = ["end_process_groups_at_exit"]
+__all__ = ["end_process_groups", "end_process_groups_at_exit"]
 
 log = logging.getLogger(__name__)
 
 _registered = False
 
 
+def end_process_groups() -> None:
+    """End DeepSpeed's groups (torch's with them) or, where DeepSpeed never started one, torch's; then let go of
+    what still references them. Nothing happens to groups already ended. Also for a program that ends its own
+    job (the benchmarks): the same way the strategy does at exit."""
+    deepspeed_comm = sys.modules.get("deepspeed.comm")  # neither imported here: one not imported started no group
+    torch_distributed = sys.modules.get("torch.distributed")
+    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
+        deepspeed_comm.destroy_process_group()
+    elif torch_distributed is not None and torch_distributed.is_available() and torch_distributed.is_initialized():
+        torch_distributed.destroy_process_group()
+    gc.collect()  # groups ended by the user too: their last references may sit in cycles all the same
+
+
 def end_process_groups_at_exit() -> None:
     """Have the process groups ended at exit (once per process, whatever the number of strategies)."""
     global _registered
     if not _registered:
-        atexit.register(_end_process_groups)
+        atexit.register(_end_process_groups_or_warn)
         _registered = True
 
 
-def _end_process_groups() -> None:
-    """End DeepSpeed's and torch's groups if they are still up (the user may have ended them already), then let
-    go of what still references them."""
-    deepspeed_comm = sys.modules.get("deepspeed.comm")
-    if deepspeed_comm is not None and deepspeed_comm.is_initialized():
-        try:
-            deepspeed_comm.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - exiting anyway: the group stays, as it would have without this
-            log.warning("stagesafe: could not end the process group at exit (%s); the interpreter ends it", exc)
-    gc.collect()  # groups ended by the user too: their last references may sit in cycles all the same
+def _end_process_groups_or_warn() -> None:
+    try:
+        end_process_groups()
+    except Exception as exc:  # noqa: BLE001 - exiting anyway: the group stays, as it would have without this
+        log.warning("stagesafe: could not end the process group at exit (%s); the interpreter ends it", exc)
