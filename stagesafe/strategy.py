@@ -17,6 +17,7 @@ from collections.abc import Generator
 from typing import Any, Mapping, Optional, Union
 
 import lightning.pytorch as pl
+import torch
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.strategies import DeepSpeedStrategy, StrategyRegistry
@@ -225,6 +226,8 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         self.call_series.boundary = boundary
         if not any(isinstance(cb, StageReturned) for cb in trainer.callbacks):
             trainer.callbacks.append(StageReturned())
+        if boundary.options.fresh:  # the boundary holds the fp32 values: they become the masters
+            zero_engine.cast_beside_zero_init(module, self._compute_dtype())
         with zero_engine.flat_broadcasts():  # DeepSpeed's broadcast of each parameter: one per bucket instead
             super().setup(trainer)
         boundary.engine_built(self.model, training=trains)
@@ -251,15 +254,16 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
 
     def _partition_from_handoff(self, values: Mapping[str, Any]) -> None:
         """Build ZeRO-3 partitions for a meta module from the handoff, in the dtype the engine computes in."""
-        import torch
+        zero_engine.partition_from_values(
+            self.lightning_module, values, config=self.config, dtype=self._compute_dtype(), device=self.root_device
+        )
 
+    def _compute_dtype(self) -> torch.dtype:
+        """The dtype the engine computes in, as its config says."""
         self._init_config_if_needed()
         assert isinstance(self.config, dict)
         enabled = {key for key in ("bf16", "fp16") if self.config.get(key, {}).get("enabled")}
-        dtype = torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
-        zero_engine.partition_from_values(
-            self.lightning_module, values, config=self.config, dtype=dtype, device=self.root_device
-        )
+        return torch.bfloat16 if "bf16" in enabled else torch.float16 if "fp16" in enabled else torch.float32
 
     def _handoff_target(self, trainer: "pl.Trainer") -> HandoffTarget:
         """The folder this run writes: claimed once (:mod:`~stagesafe.stages.ownership`), every rank together."""

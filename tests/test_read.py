@@ -133,14 +133,26 @@ def test_verify_false_reads_a_remote_shard_without_hashing_it():
         load_state_dict(url)
 
 
-def test_a_loaded_shard_holds_views_of_one_buffer_that_safetensors_can_save(tmp_path):
-    url = str(tmp_path / "handoff")
-    sd = {"a": torch.arange(10, dtype=torch.float16), "b": torch.arange(6, dtype=torch.float32).reshape(2, 3)}
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_loaded_shard_of_several_dtypes_is_saved_by_torch_and_by_safetensors(tmp_path, where):
+    """A BatchNorm's int64 ``num_batches_tracked`` beside its fp32 weights: ``torch.save`` refuses views of one
+    storage in several dtypes, so each tensor has a storage of its own bytes, as ``load_file``'s have."""
+    url = str(tmp_path / "handoff") if where == "local" else f"memory:///stagesafe-tests/{uuid.uuid4().hex}"
+    sd = {
+        "a": torch.arange(10, dtype=torch.float16),
+        "b": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "num_batches_tracked": torch.tensor(7),
+        "mask": torch.tensor([True, False, True]),
+        "c": torch.randn(3, 5).to(torch.bfloat16),
+        "empty": torch.zeros(0, 4),
+    }
     save_state_dict(sd, url)
     loaded = load_state_dict(url)
-    assert loaded["a"].untyped_storage().data_ptr() == loaded["b"].untyped_storage().data_ptr()
     assert_bitwise_equal(loaded, sd)
-    safetensors.torch.save_file(loaded, str(tmp_path / "again.safetensors"))  # views that do not overlap
+    assert all(t.untyped_storage().nbytes() == t.nbytes for t in loaded.values())
+    torch.save(loaded, str(tmp_path / "again.pt"))
+    assert_bitwise_equal(torch.load(str(tmp_path / "again.pt"), weights_only=True), sd)
+    safetensors.torch.save_file(loaded, str(tmp_path / "again.safetensors"))
     again = safetensors.torch.load_file(str(tmp_path / "again.safetensors"))
     assert_bitwise_equal({name: again[name] for name in sd}, sd)
 

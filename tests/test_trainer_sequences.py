@@ -19,6 +19,7 @@ import torch
 from stagesafe import load_state_dict, read_manifest, restore, verify
 
 from _launch import run_script
+from _tensors import assert_bitwise_equal
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "scripts", "trainer_sequences.py")
@@ -140,6 +141,27 @@ def test_lr0_fit_returns_the_input_weights_bitwise(stock_run, stagesafe_run):
     # control: stock builds its fp32 masters from the bf16-cast module
     (stock,) = _stages(stock_run, "stock:lr0")
     assert stock["master_max_abs_diff"] > 1e-4
+
+
+def test_layers_of_configure_model_beside_layers_of_init_run_in_bf16_and_keep_their_fp32_values(stock_run, stagesafe_run):
+    """DeepSpeed casts a module to bf16 only where zero.Init built none of its parameters: the head built in
+    ``__init__`` stayed fp32 beside the bf16 backbone and the first forward failed. Cast for the engine, it comes
+    back in fp32 with its exact values (lr 0), and the fit's masters started from them."""
+    name = "stagesafe:configured_beside_init"
+    for rank in (0, 1):
+        stages = _stages(stagesafe_run, name, rank)
+        assert [s["stage"] for s in stages] == ["validate", "fit", "test"]
+        for stage in stages:
+            assert stage["error"] is None, stage.get("traceback")
+            assert stage["probe"]["dtypes"] == ["torch.bfloat16", "torch.float32"]  # backbone, head: as built
+            assert stage["probe"]["ds_attrs"] == 0 and stage["probe"]["min_numel"] > 0
+        assert stages[1]["master_max_abs_diff"] == 0.0
+    torch.manual_seed(0)  # the head as the script built it
+    head = ToyModule(in_configure_model=True, extra_head=True).extra_head
+    handoff = load_state_dict(stagesafe_run["rank0"][name]["handoff_uri"])
+    assert_bitwise_equal({k: handoff[f"extra_head.{k}"] for k in ("weight", "bias")}, dict(head.state_dict()))
+    (stock, *_) = _stages(stock_run, "stock:configured_beside_init")  # control: stock's first forward fails
+    assert "must have the same dtype" in stock["error"], stock["error"]
 
 
 def test_fit_validate_fit_equals_two_epochs_bitwise(stagesafe_run):

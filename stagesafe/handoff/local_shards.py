@@ -87,19 +87,27 @@ def map_file(f: IO[bytes], size: int, *, read_now: bool = False) -> torch.Tensor
 
 
 def tensors_in(buffer: torch.Tensor, *, source: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file held in ``buffer`` (uint8), as views of it: no copy. The header is
-    checked in full first (:func:`stagesafe.handoff.codec.parse_header`); ``source`` names the file in errors."""
+    """The tensors of a safetensors file held in ``buffer`` (uint8), each over its own bytes of it: no copy. The
+    header is checked in full first (:func:`stagesafe.handoff.codec.parse_header`); ``source`` names the file in
+    errors. Each tensor has a storage of its own, as ``load_file``'s have: views of one storage in several dtypes
+    are refused by ``torch.save`` ("Cannot save multiple tensors or storages that view the same data as different
+    types"), and a storage the size of the shard would be saved whole with any one of its tensors."""
     import torch
 
     size = buffer.numel()
     prefix = buffer[:8].numpy().tobytes()
     length = codec.header_length(prefix, size, source=source)
     header = codec.parse_header(buffer[: 8 + length].numpy().tobytes(), size, source=source)
+    whole = memoryview(buffer.numpy())  # keeps ``buffer``, and so the mapping, alive
     tensors = {}
     for entry in header.tensors:
         dtype = getattr(torch, entry.dtype)
-        raw = buffer[header.data_start + entry.begin : header.data_start + entry.end]
-        if (header.data_start + entry.begin) % dtype.itemsize:  # misaligned for its dtype: a copy of its own
-            raw = raw.clone()
-        tensors[entry.name] = raw.view(dtype).reshape(entry.shape)
+        start, nbytes = header.data_start + entry.begin, entry.end - entry.begin
+        if not nbytes:
+            flat = torch.empty(0, dtype=dtype)
+        elif start % dtype.itemsize:  # misaligned for its dtype: a copy of its own
+            flat = buffer[start : start + nbytes].clone().view(dtype)
+        else:
+            flat = torch.frombuffer(whole, dtype=dtype, count=nbytes // dtype.itemsize, offset=start)
+        tensors[entry.name] = flat.reshape(entry.shape)
     return tensors

@@ -113,8 +113,9 @@ def load_state_dict(
     again on transient errors as ``retry`` says. A local shard is mapped, as ``load_file`` maps it, and hashed
     through the mapping on every core; one this process already hashed (it wrote or loaded it), unchanged since,
     is mapped without hashing it again. A remote shard is hashed chunk by chunk while the next chunk arrives.
-    ``verify=False`` skips the digest of every shard (sizes and headers are still checked). Tensors are views
-    of their shard's buffer; tied names come back as the same tensor object, in the order they were saved.
+    ``verify=False`` skips the digest of every shard (sizes and headers are still checked). Tensors lie in
+    their shard's buffer (no copy), each over a storage of its own, as ``load_file``'s: ``torch.save`` takes
+    them. Tied names come back as the same tensor object, in the order they were saved.
     ``progress``: a bar on stderr, shard by shard (default: on a terminal, for a handoff of a gigabyte or more).
     """
     verify = checked_flag("verify", verify)

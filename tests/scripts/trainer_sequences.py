@@ -125,6 +125,9 @@ def scenario_cases(strategy: str, precision: str) -> list[dict]:
         {"name": "new_root_validate_fit", "stages": ["validate", "fit"], "new_root_at": [1], "extra_head": True},
         {"name": "new_root_fit_fit", "stages": ["fit", "fit"], "new_root_at": [1], "extra_head": True},
         {"name": "lr0", "stages": ["fit"], "lr": 0.0},
+        # the backbone built in configure_model (zero.Init), a head in __init__: DeepSpeed casts neither to bf16
+        {"name": "configured_beside_init", "stages": ["validate", "fit", "test"], "in_configure_model": True,
+         "head_in_init": True, "lr": 0.0},
         {"name": "frozen", "stages": ["fit", "test"], "frozen_hidden": True},
         {"name": "continuity_split", "stages": ["fit", "validate", "fit"]},
         {"name": "continuity_whole", "stages": ["fit"], "max_epochs": 2},
@@ -280,7 +283,7 @@ def run_case(case: dict, spec: dict) -> dict:
     with torch.device("meta") if case.get("meta_module") else contextlib.nullcontext():
         module = ToyModule(
             lr=case.get("lr", 0.1), frozen_hidden=case.get("frozen_hidden", False), fail_at_step=case.get("fail_at_step"),
-            in_configure_model=case.get("in_configure_model", False),
+            in_configure_model=case.get("in_configure_model", False), extra_head=case.get("head_in_init", False),
         )
     initial = {n: t.detach().clone() for n, t in module.state_dict().items()}
     built_later = case.get("meta_module") or case.get("in_configure_model")

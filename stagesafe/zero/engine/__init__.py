@@ -52,6 +52,7 @@ from stagesafe.zero.engine.traces import (
     take_footprint,
 )
 from stagesafe.zero.engine.values_in import (
+    cast_beside_zero_init,
     load_values_into_engine,
     partition_from_values,
     place_for_engine,
@@ -74,6 +75,7 @@ __all__ = [
     "full_specs",
     "partition_from_values",
     "place_for_engine",
+    "cast_beside_zero_init",
     "ModuleFootprint",
     "take_footprint",
     "find_stale_state",
