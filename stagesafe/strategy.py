@@ -272,14 +272,16 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
             asked = str(trainer.default_root_dir).rstrip("/") + "/" + _DEFAULT_HANDOFF_DIR
         return self.call_series.target(asked, named=self.handoff_uri is not None, on_versioned=say_versioned)
 
-    def _weights_from(self, trainer: "pl.Trainer") -> dict[str, Any]:
-        """The stage and step that a stage's new weights come from, for the handoff's metadata."""
+    def _weights_from(self, trainer: "pl.Trainer", *, failed: bool = False) -> dict[str, Any]:
+        """The stage and step that a stage's new weights come from, for the handoff's metadata; ``failed``: the
+        call raised (a fit's weights are then those of its last step, not of a fit run to its end)."""
         return {
             "stage": trainer.state.fn.value,
             "global_step": int(trainer.global_step),
             "epoch": int(trainer.current_epoch),
             "world_size": int(self.world_size),
             "zero_stage": int((self.config or {}).get("zero_optimization", {}).get("stage", 0)),
+            "call_failed": failed,
         }
 
     @override
@@ -359,15 +361,16 @@ class StageSafeDeepSpeedStrategy(HandoffWaits, CheckpointHooks, GuardedCollectiv
         fitted = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         trained = fitted and (self._stepped or trainer.ckpt_path is not None)
         layout = zero_engine.optimizer_layout(engine) if fitted and engine is not None else None  # before destroy
+        failed_anywhere = failed or bool(ending.failed) or ending.broken
         try:
             self.call_series.last_report = boundary.exit(
                 engine,
                 trained=trained,
-                weights_from=self._weights_from(trainer) if trainer is not None else {},
+                weights_from=self._weights_from(trainer, failed=failed_anywhere) if trainer is not None else {},
                 gather=ending.gather,
                 background=not failed,
                 lr_schedulers=[config.scheduler.state_dict() for config in self.lr_scheduler_configs],
-                failed=failed or bool(ending.failed) or ending.broken,
+                failed=failed_anywhere,
                 state_places=layout.places if layout is not None else None,
             )
         except Exception as exc:

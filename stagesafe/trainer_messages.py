@@ -28,6 +28,8 @@ def say_committed(uri: str, commit: Commit, seconds: float) -> None:
     size = commit.manifest["total_size"]
     metadata = commit.manifest.get("metadata", {})
     what = f"{metadata.get('stage')}, step {metadata.get('global_step')}" if metadata.get("stage") else "weights"
+    if metadata.get("call_failed"):
+        what += ", the call failed there"
     rank_zero_info(f"stagesafe: handoff committed at {uri} ({what}; {megabytes(size)} in {seconds:.1f} s)")
 
 

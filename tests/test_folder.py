@@ -4,6 +4,7 @@ best-effort deletion) and the parallel loop over shards."""
 from __future__ import annotations
 
 import threading
+import uuid
 
 import pytest
 from _handoffs import files
@@ -47,8 +48,13 @@ def test_transfer_names_a_refusal_and_says_what_to_do(tmp_path):
     def denied():
         raise PermissionError(13, "Permission denied")
 
-    with pytest.raises(StorageTransferError, match="could not write x: access denied .* may write there; later"):
+    with pytest.raises(StorageTransferError, match="could not write x: access denied .* may write there") as local:
         folder.transfer(denied, what="write x", hint="; later", writing=True)
+    assert "folder's permissions" in str(local.value) and "credentials" not in str(local.value)
+    assert str(local.value).endswith("; later")
+    remote = Folder.at(f"memory:///stagesafe-tests/{uuid.uuid4().hex}", retry=RetryPolicy(attempts=1))
+    with pytest.raises(StorageTransferError, match="check the credentials in storage_options .* may read there"):
+        remote.transfer(denied, what="read x")
     with pytest.raises(StorageTransferError, match="could not write x: the bucket or folder it goes into does not"):
         folder.transfer(lambda: open(tmp_path / "no" / "x"), what="write x", writing=True)
     with pytest.raises(FileNotFoundError):  # a read: the caller knows what a missing file means

@@ -310,6 +310,11 @@ def test_a_fit_that_raises_leaves_the_last_good_weights_and_the_next_stages_run(
     assert failed["probe"]["digest"] == two_steps["probe"]["digest"]
     assert test["probe"]["digest"] == failed["probe"]["digest"]
     assert fit_again["probe"]["digest"] != failed["probe"]["digest"]
+    # the handoff says its weights are those of a fit that failed at its step 2, until a fit completes
+    assert failed["handoff_digest"] == failed["probe"]["digest"]
+    assert failed["handoff_from"] == {"stage": "fit", "global_step": 2, "call_failed": True}
+    assert test["handoff_from"] == failed["handoff_from"]  # a test changes no weights: still the failed fit's
+    assert fit_again["handoff_from"]["stage"] == "fit" and fit_again["handoff_from"]["call_failed"] is False
 
 
 def test_a_failed_handoff_upload_is_raised_on_every_rank_and_nothing_is_lost(stagesafe_run):

@@ -92,10 +92,14 @@ class Folder:
         try:
             return call_with_retries(fn, policy=self.retry, what=what, hint=hint, stop=stop)
         except PermissionError as exc:
-            raise StorageTransferError(
-                f"could not {what}: access denied ({exc}); check the credentials in storage_options (key/secret, "
-                f"profile, token) and that they may {'write' if writing else 'read'} there{hint}"
-            ) from exc
+            verb = "write" if writing else "read"
+            advice = (
+                f"check that this user may {verb} there (the folder's permissions, a read-only or immutable file)"
+                if is_local(self.fs)
+                else f"check the credentials in storage_options (key/secret, profile, token) and that they may "
+                f"{verb} there"
+            )
+            raise StorageTransferError(f"could not {what}: access denied ({exc}); {advice}{hint}") from exc
         except FileNotFoundError as exc:
             if not writing:
                 raise

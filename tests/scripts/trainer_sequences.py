@@ -336,10 +336,12 @@ def run_case(case: dict, spec: dict) -> dict:
             report = strategy.last_boundary  # the writer records its time once its share is written
             record["wrote_a_share"] = report is not None and "handoff_write" in report.phases
         if case["strategy"] == "stagesafe" and os.path.exists(f"{spec['root']}/{_slug(case['name'])}/handoff/stagesafe.json"):
-            from stagesafe import load_state_dict
+            from stagesafe import load_state_dict, read_manifest
 
             handoff = load_state_dict(f"{spec['root']}/{_slug(case['name'])}/handoff")
             record["handoff_digest"] = state_digest_of(handoff)
+            metadata = read_manifest(f"{spec['root']}/{_slug(case['name'])}/handoff")["metadata"]
+            record["handoff_from"] = {k: metadata.get(k) for k in ("stage", "global_step", "call_failed")}
         if case.get("checkpoint") and trainer is not None and trainer.checkpoint_callback is not None:
             record["best_model_path"] = trainer.checkpoint_callback.best_model_path
         result["stages"].append(record)
