@@ -1,7 +1,6 @@
 """Weights put into an engine: a module placed on the engine's device and cast beside zero.Init's parameters
-before it is built, a module on the meta
-device given its ZeRO-3 partitions straight from values, a full state dict loaded into a live engine's 16-bit
-partitions, and the optimizer's fp32 masters set bit for bit."""
+before it is built, a module on the meta device given its ZeRO-3 partitions straight from values, a full state dict
+loaded into a live engine's 16-bit partitions, and the optimizer's fp32 masters set bit for bit."""
 
 from __future__ import annotations
 
@@ -29,21 +28,18 @@ def place_for_engine(module: nn.Module, device: torch.device) -> bool:
     return True
 
 
-def cast_beside_zero_init(module: nn.Module, dtype: torch.dtype) -> int:
+def cast_beside_zero_init(module: nn.Module, dtype: torch.dtype) -> None:
     """Cast to the engine's 16-bit ``dtype`` the floating-point parameters zero.Init did not build, in a module
-    where it built others (``configure_model`` beside ``__init__``); how many it cast. DeepSpeed casts a module's
-    parameters only where zero.Init built none of them, so those built in ``__init__`` stayed fp32 and the first
-    forward failed ("mat1 and mat2 must have the same dtype"). The cast is DeepSpeed's for a plain module: the
-    caller keeps the fp32 values, which become the engine's masters."""
+    where it built others (``configure_model`` beside ``__init__``). DeepSpeed casts a module's parameters only
+    where zero.Init built none of them, so those built in ``__init__`` stayed fp32 and the first forward failed
+    ("mat1 and mat2 must have the same dtype"). The cast is DeepSpeed's for a plain module: the caller keeps the
+    fp32 values, which become the engine's masters."""
     params = list(module.parameters())
     if dtype not in (torch.bfloat16, torch.float16) or not any(is_zero3_param(p) for p in params):
-        return 0
-    cast = 0
+        return
     for param in params:
         if not is_zero3_param(param) and param.is_floating_point() and param.dtype != dtype:
             param.data = param.data.to(dtype)
-            cast += 1
-    return cast
 
 
 def partition_from_values(
