@@ -125,6 +125,8 @@ def test_a_writer_killed_mid_save_leaves_the_previous_handoff_intact_and_the_nex
         assert left, "the killed writer left nothing behind: it died before writing"
         if point == "mid_shard":
             assert any(".tmp-" in name for name in left), left
+    else:
+        assert not left, left  # an upload never completed leaves no object
     # Readers see the previous handoff, whole.
     assert read_manifest(url, storage_options=options) == old
     assert_bitwise_equal(load_state_dict(url, storage_options=options), old_sd)

@@ -22,6 +22,7 @@ from stagesafe.errors import (
     HandoffNotFoundError,
     StorageTransferError,
 )
+from stagesafe.handoff.cleanup import remove_stale
 from stagesafe.handoff.digest import DEFAULT, hash_buffer
 from stagesafe.handoff.read import load_state_dict, read_manifest
 from stagesafe.storage.retry import RetryPolicy
@@ -103,6 +104,19 @@ def test_a_second_save_replaces_the_first_and_leaves_no_stale_object(s3):
     assert_bitwise_equal(load_state_dict(url, storage_options=opts), sd3)
     verify(url, storage_options=opts)
 
+
+def test_a_shard_object_no_commit_names_is_left_while_young_and_deleted_once_old(s3):
+    """A killed writer's completed upload: a shard object that no commit names. Its age is S3's LastModified
+    (the server's clock cannot be set back, so the age limit is lowered instead of the object aged)."""
+    url, opts = s3.new_url(), s3.storage_options()
+    saved = save_state_dict(model_dict(1), url, storage_options=opts, max_shard_size=800)
+    stray = "model-0badcafe-00001-of-00003.safetensors"
+    s3.put(url, stray, b"junk")
+    remove_stale(url, storage_options=opts)  # young: perhaps another writer's commit in progress
+    assert stray in s3.objects(url)
+    remove_stale(url, storage_options=opts, older_than=0)
+    assert set(s3.objects(url)) == {*saved["shards"], INDEX, MANIFEST}
+    assert_bitwise_equal(load_state_dict(url, storage_options=opts), model_dict(1))
 
 def test_overwrite_false_refuses_an_existing_handoff(s3):
     url, opts = s3.new_url(), s3.storage_options()

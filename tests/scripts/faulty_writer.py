@@ -5,9 +5,10 @@ Usage: python faulty_writer.py URL MODE [STORAGE_OPTIONS_JSON]
 MODE:
 - ``kill@<point>``: the process sends itself SIGKILL at ``<point>`` of the save, so no ``finally``, no
   ``except`` and no clean-up of stagesafe runs, as when the OOM killer or a preempted node stops a writer:
-  ``mid_shard`` (shard 2's bytes are half written), ``shard_written`` (shard 2 is in place, shard 3 is not
-  written), ``index_written`` (every shard and the new index are in place, the manifest is not),
-  ``manifest_written`` (the new manifest is committed; the previous generation is not deleted yet).
+  ``mid_shard`` (shard 2's bytes are half written; shards written beside it in other threads wait for the
+  death, so none completes), ``shard_written`` (shard 2 is in place, shard 3 is not written), ``index_written``
+  (every shard and the new index are in place, the manifest is not), ``manifest_written`` (the new manifest is
+  committed; the previous generation is not deleted yet).
 - ``slow``: no fault; prints ``WRITING`` and saves, for a parent that kills it from outside at any moment.
 - ``loop@<first>``: no fault; saves :func:`generation` ``first``, ``first + 1``, ... over each other, printing
   ``SAVED <n>`` after each, until a parent kills it from outside.
@@ -29,6 +30,7 @@ import os
 import resource
 import signal
 import sys
+import threading
 
 import torch
 
@@ -68,6 +70,12 @@ def _kill_at(point: str) -> None:
             if i == 1:  # the header and the first tensor of the shard went out; the second has not
                 _die()
 
+    def held_until_death(data):
+        # a shard written beside the dying one (several threads: an object store) must not complete first, or
+        # it would be left as a whole object, young, that no later save may delete yet
+        threading.Event().wait(60)
+        yield from data
+
     def write_atomic(fs, path, data):
         name = path.rsplit("/", 1)[-1]
         is_shard = name not in (INDEX_NAME, MANIFEST_NAME)
@@ -76,6 +84,8 @@ def _kill_at(point: str) -> None:
         if point == "mid_shard" and is_shard and len(shards_started) == 2:
             real(fs, path, chunks_then_die(data))
             raise AssertionError("unreachable: the writer should be dead")
+        if point == "mid_shard" and is_shard and threading.current_thread() is not threading.main_thread():
+            data = held_until_death(data)
         real(fs, path, data)
         if is_shard:
             shards_done.append(name)
