@@ -118,6 +118,7 @@ def test_a_shard_object_no_commit_names_is_left_while_young_and_deleted_once_old
     assert set(s3.objects(url)) == {*saved["shards"], INDEX, MANIFEST}
     assert_bitwise_equal(load_state_dict(url, storage_options=opts), model_dict(1))
 
+
 def test_overwrite_false_refuses_an_existing_handoff(s3):
     url, opts = s3.new_url(), s3.storage_options()
     sd = model_dict(1)
